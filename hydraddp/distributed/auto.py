@@ -1,0 +1,227 @@
+"""ignite's auto_model / auto_optim / auto_dataloader, plus explicit wrap modes and precision."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
+
+from hydraddp.distributed import api, wrappers
+from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, check_compatibility, resolve_wrap
+from hydraddp.distributed.horovod import HOROVOD
+from hydraddp.distributed.precision import autocast_forward, make_grad_scaler, precision_spec
+from hydraddp.distributed.report import WrapRecord
+
+log = logging.getLogger(__name__)
+
+
+def _offload_from(kwargs: dict[str, Any]) -> str:
+    """``offload="cpu"`` (hydraddp's name) or the wrappers' own offload objects both count."""
+    offload = kwargs.pop("offload", None) or "none"
+    cpu_offload = kwargs.get("cpu_offload")
+    if getattr(cpu_offload, "offload_params", False) or type(kwargs.get("offload_policy")).__name__ == "CPUOffloadPolicy":
+        offload = "cpu"
+    return offload
+
+
+def combination_here(**fields: Any) -> Combination:
+    """A ``Combination`` filled in with this process's context and devices."""
+    ctx = api.current()
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    fields.setdefault("backend", ctx.backend())
+    fields.setdefault("world_size", ctx.world_size())
+    return Combination(
+        cuda_device_count=cuda,
+        bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
+        has_horovod=ctx.backend() == HOROVOD,
+        has_mpi=dist.is_available() and dist.is_mpi_available(),
+        **fields,
+    )
+
+
+def _check(combo: Combination) -> None:
+    problems = check_compatibility(combo)
+    fatal = [p for p in problems if not p.training_only]
+    if fatal:
+        raise ConfigurationError(fatal)
+    for problem in problems:
+        warnings.warn(str(problem), stacklevel=3)
+
+
+def auto_model(
+    model: nn.Module,
+    sync_bn: bool = False,
+    use_fsdp: bool = False,
+    *,
+    wrap: str | None = None,
+    precision: str | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """Move ``model`` to ``device()`` and wrap it for the current context.
+
+    ``wrap=None``/``"auto"`` is ignite's rule: DDP when world size > 1 on a native backend, the Horovod
+    broadcast under horovod, DataParallel with no process group and several GPUs, else unwrapped.
+    ``use_fsdp=True`` means ``wrap="fsdp2"``. Explicit ``wrap`` is ``none|dp|ddp|fsdp|fsdp2``; ``kwargs``
+    go to the wrapper, plus ``auto_wrap_policy``/``block_classes``/``min_num_params`` for FSDP and
+    ``offload="cpu"``. ``precision`` is ``fp32|bf16|fp16|bf16-true``.
+
+    >>> model = idist.auto_model(model, wrap="fsdp2", precision="bf16", block_classes=["Block"])  # doctest: +SKIP
+    """
+    if use_fsdp:
+        if wrap not in (None, "auto", "fsdp2"):
+            raise ValueError(f"use_fsdp=True means wrap='fsdp2', but wrap={wrap!r} was given; pass one of them")
+        wrap = "fsdp2"
+    offload = _offload_from(kwargs)
+    combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn)
+    _check(combo)
+    realized = resolve_wrap(combo)
+    spec = precision_spec(precision)
+    device = api.device()
+
+    if not all(p.device == device for p in model.parameters()):
+        model.to(device)
+    total_numel = sum(p.numel() for p in model.parameters())
+    if spec.storage_dtype != torch.float32:
+        model.to(spec.storage_dtype)  # bf16-true: the weights themselves are bf16
+    if sync_bn and realized in ("ddp", "fsdp", "fsdp2"):
+        log.info("Converting BatchNorm to SyncBatchNorm")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if spec.is_mixed and realized in ("none", "dp", "ddp", HOROVOD):
+        autocast_forward(model, spec, device.type)
+
+    log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
+    match realized:
+        case "none":
+            pass
+        case "dp":
+            model = wrappers.wrap_dp(model, **kwargs)
+        case "ddp":
+            model = wrappers.wrap_ddp(model, device, **kwargs)
+        case "fsdp":
+            model = wrappers.wrap_fsdp1(model, device, spec, offload == "cpu", **kwargs)
+        case "fsdp2":
+            model = wrappers.wrap_fsdp2(model, device, api.get_world_size(), spec, offload == "cpu", **kwargs)
+        case "horovod":
+            model = wrappers.wrap_horovod(model, sync_bn)
+    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel)
+    return model
+
+
+def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
+    """ignite's ``auto_optim``: Horovod's ``DistributedOptimizer`` under horovod, else the optimizer itself.
+
+    Refuses an optimizer created before FSDP wrapping: it holds parameters FSDP replaced. Under horovod,
+    ``model=`` supplies ``named_parameters``; ``compression="fp16"|"none"``, ``backward_passes_per_step``
+    and ``op`` pass through.
+    """
+    stale = sum(1 for g in optimizer.param_groups for p in g["params"] if wrappers.was_replaced(p))
+    if stale:
+        raise ConfigurationError(
+            Problem(
+                ("optimizer",),
+                f"The optimizer holds {stale} parameter(s) of the model as it was before auto_model wrapped it "
+                "with FSDP, which replaced them; stepping it would not train the wrapped model.",
+                "Create the optimizer after wrapping: model = idist.auto_model(model, wrap=...); "
+                "optimizer = torch.optim.SGD(model.parameters(), ...).",
+            )
+        )
+    if api.backend() != HOROVOD:
+        return optimizer
+    import horovod.torch as hvd
+
+    model = kwargs.pop("model", None)
+    if model is not None:
+        kwargs.setdefault("named_parameters", model.named_parameters())
+    compression = kwargs.pop("compression", None)
+    if isinstance(compression, str):
+        kwargs["compression"] = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compression]
+    elif compression is not None:
+        kwargs["compression"] = compression
+    optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return optimizer
+
+
+def grad_scaler(model: nn.Module):
+    """The grad scaler ``model``'s precision needs: ``ShardedGradScaler`` under FSDP, ``GradScaler`` otherwise,
+    None for precisions without one (use ``scaler is None`` to skip scaling)."""
+    record: WrapRecord | None = getattr(model, "_hydraddp_wrap", None)
+    if record is None:
+        return None
+    return make_grad_scaler(record.precision, sharded=record.wrap in ("fsdp", "fsdp2"), device_type=api.device().type)
+
+
+class ShardedSampler(Sampler):
+    """This rank's share of another sampler's indices (ignite's DistributedProxySampler)."""
+
+    def __init__(self, sampler: Sampler, num_replicas: int, rank: int):
+        self.sampler, self.num_replicas, self.rank = sampler, num_replicas, rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(self.epoch)  # every rank must draw the same order from a random sampler
+        indices = list(self.sampler)
+        torch.random.set_rng_state(generator_state)
+        indices += indices[: len(self) * self.num_replicas - len(indices)]
+        return iter(indices[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.num_replicas)
+
+
+class DataLoader(TorchDataLoader):
+    """A DataLoader that calls ``sampler.set_epoch`` on each pass, so every epoch shuffles anew."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass use ``epoch`` (e.g. when resuming)."""
+        self._epoch = epoch
+
+    def __iter__(self):
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return super().__iter__()
+
+
+def auto_dataloader(dataset: Dataset, **kwargs: Any) -> DataLoader:
+    """ignite's ``auto_dataloader``: ``batch_size`` and ``num_workers`` are global and split over ranks,
+    a ``DistributedSampler`` shards the data, ``pin_memory`` is on with CUDA. The split must be even."""
+    rank, world = api.get_rank(), api.get_world_size()
+    if world > 1:
+        if "batch_size" in kwargs:
+            combo = combination_here(global_batch_size=kwargs["batch_size"])
+            problems = [p for p in check_compatibility(combo) if "batch_size" in p.keys]
+            if problems:
+                raise ConfigurationError(problems)
+            kwargs["batch_size"] //= world
+        nproc = api.get_nproc_per_node()
+        if kwargs.get("num_workers", 0) >= nproc:
+            kwargs["num_workers"] = -(-kwargs["num_workers"] // nproc)
+        if "batch_sampler" in kwargs:
+            warnings.warn("auto_dataloader: a batch_sampler is used as given; make sure it shards over ranks", stacklevel=2)
+        elif isinstance(dataset, IterableDataset):
+            log.info("auto_dataloader: iterable dataset, no distributed sampler; it must shard itself")
+        elif kwargs.get("sampler") is not None:
+            kwargs["sampler"] = ShardedSampler(kwargs["sampler"], world, rank)
+        else:
+            shuffle = kwargs.pop("shuffle", True)
+            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle)
+    kwargs.setdefault("pin_memory", api.device().type == "cuda")
+    return DataLoader(dataset, **kwargs)

@@ -1,0 +1,160 @@
+"""Which backend / wrap / precision / offload combinations work, decided in one place.
+
+``check_compatibility`` returns *every* problem with the keys involved and the fix. ``auto_model``
+raises on them; the Hydra app calls the same function before any process starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+WRAPS = ("auto", "none", "dp", "ddp", "fsdp", "fsdp2")
+REALIZED_WRAPS = ("none", "dp", "ddp", "fsdp", "fsdp2", "horovod")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+OFFLOADS = ("none", "cpu")
+BACKENDS = ("none", "gloo", "nccl", "mpi", "horovod")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a combination cannot run. ``training_only``: wrapping works, the first train step won't."""
+
+    keys: tuple[str, ...]
+    message: str
+    fix: str
+    training_only: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.message} {self.fix}"
+
+
+class ConfigurationError(ValueError):
+    """Raised with every problem of a combination; ``str`` lists them one per line."""
+
+    def __init__(self, problems: list[Problem] | Problem):
+        self.problems = [problems] if isinstance(problems, Problem) else list(problems)
+        super().__init__("\n".join(f"- {p}" for p in self.problems))
+
+
+@dataclass(frozen=True)
+class Combination:
+    """Everything the rules look at. ``backend=None``/``"none"`` means no process group."""
+
+    backend: str | None
+    wrap: str | None = "auto"
+    precision: str | None = "fp32"
+    offload: str = "none"
+    sync_bn: bool = False
+    world_size: int = 1
+    cuda_device_count: int = 0
+    bf16_supported: bool = True
+    global_batch_size: int | None = None
+    has_horovod: bool = False
+    has_mpi: bool = False
+    # Config paths used in messages, e.g. {"world_size": "launcher.nproc_per_node"} from the Hydra app.
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def has_process_group(self) -> bool:
+        return self.backend not in (None, "none")
+
+
+def resolve_wrap(combo: Combination) -> str:
+    """ignite's ``auto_model`` rule for ``wrap=auto``; explicit names pass through."""
+    wrap = combo.wrap or "auto"
+    if wrap == "auto":
+        if combo.world_size > 1:
+            return "horovod" if combo.backend == "horovod" else "ddp"
+        return "dp" if combo.cuda_device_count > 1 else "none"
+    if combo.backend == "horovod" and wrap == "ddp":
+        return "horovod"  # Horovod's data parallelism is its broadcast + DistributedOptimizer path
+    return wrap
+
+
+def check_compatibility(combo: Combination) -> list[Problem]:
+    """Every problem of ``combo``, each naming its keys, the offending values and the fix."""
+    n = lambda key: combo.names.get(key, key)  # noqa: E731
+    problems: list[Problem] = []
+
+    def add(keys: tuple[str, ...], message: str, fix: str, training_only: bool = False) -> None:
+        problems.append(Problem(tuple(n(k) for k in keys), message, fix, training_only))
+
+    backend = combo.backend or "none"
+    precision = combo.precision or "fp32"
+    for key, value, valid in (
+        ("backend", backend, BACKENDS),
+        ("wrap", combo.wrap or "auto", (*WRAPS, "horovod")),
+        ("precision", precision, PRECISIONS),
+        ("offload", combo.offload, OFFLOADS),
+    ):
+        if value not in valid:
+            add((key,), f"{n(key)}={value} is not an option.", f"Use one of: {', '.join(valid)}.")
+    if problems:
+        return problems
+
+    wrap = resolve_wrap(combo)
+    gpu = combo.cuda_device_count > 0
+
+    if backend == "nccl" and not gpu:
+        add(("backend",), "backend=nccl needs CUDA GPUs, and this machine has none.",
+            "Use backend=gloo (or backend=auto, which picks gloo without CUDA).")
+    if backend == "mpi" and not combo.has_mpi:
+        add(("backend",), "backend=mpi needs a torch build with MPI, and this one has none.",
+            "Use backend=gloo, or backend=horovod under mpirun.")
+    if backend == "horovod" and not combo.has_horovod:
+        add(("backend",), "backend=horovod needs Horovod with PyTorch support, and it is not installed.",
+            "Install it with `bash scripts/install_horovod.sh`, or use backend=gloo.")
+    if backend == "none" and combo.world_size > 1:
+        add(("backend", "world_size"),
+            f"backend=none runs one process without a process group, but {n('world_size')}={combo.world_size}.",
+            f"Use backend=gloo (or auto) for {combo.world_size} processes, or set {n('world_size')}=1.")
+
+    if wrap == "dp":
+        if combo.world_size > 1:
+            add(("wrap", "world_size"),
+                f"wrap=dp is single-process DataParallel, but {n('world_size')}={combo.world_size} processes run.",
+                "Use wrap=ddp (or auto) for several processes, or one process with wrap=dp.")
+        if not gpu:
+            add(("wrap",), "wrap=dp (DataParallel) splits a batch over CUDA devices, and this machine has none.",
+                "Use wrap=none on one CPU process, or wrap=ddp with backend=gloo for several.")
+        if combo.sync_bn:
+            add(("wrap", "sync_bn"), "sync_bn=true does not work with wrap=dp: SyncBatchNorm needs one process per device.",
+                f"Use wrap=ddp with sync_bn=true, or keep wrap=dp and set {n('sync_bn')}=false.")
+    if backend == "horovod" and wrap in ("dp", "fsdp", "fsdp2"):
+        add(("backend", "wrap"), f"wrap={wrap} cannot run under backend=horovod: Horovod has no {wrap} wrapper.",
+            "Use wrap=auto (Horovod's broadcast + DistributedOptimizer), or backend=gloo/nccl with wrap=" f"{wrap}.")
+    if wrap in ("ddp", "fsdp", "fsdp2") and backend == "none":
+        add(("backend", "wrap"), f"wrap={wrap} needs a process group, and backend=none has none.",
+            "Use backend=gloo (or auto), or wrap=none for a single plain process.")
+
+    if combo.offload == "cpu":
+        if wrap not in ("fsdp", "fsdp2"):
+            add(("offload", "wrap"), f"offload=cpu only applies to FSDP, but wrap={wrap}.",
+                "Use wrap=fsdp or wrap=fsdp2 with offload=cpu, or set offload=none.")
+        if not gpu:
+            add(("offload",), "offload=cpu moves FSDP parameters between an accelerator and the CPU, "
+                "and this machine has no accelerator (torch fails with 'Cannot access accelerator device').",
+                "Set offload=none on a CPU-only machine.")
+
+    if precision == "fp16" and not gpu:
+        add(("precision",), "precision=fp16 needs CUDA: fp16 mixed precision with a grad scaler is a GPU mode.",
+            "Use precision=bf16 (or fp32) on CPU.")
+    if precision in ("bf16", "bf16-true") and gpu and not combo.bf16_supported:
+        add(("precision",), f"precision={precision} needs bf16 support, and this GPU has none.",
+            "Use precision=fp16 or fp32 on this GPU.")
+
+    if combo.sync_bn and wrap != "dp" and combo.world_size > 1 and not gpu:
+        add(("sync_bn",), "sync_bn=true: SyncBatchNorm's training forward only runs on CUDA/XPU inputs, "
+            "and this machine has no GPU.",
+            f"Set {n('sync_bn')}=false on CPU (BatchNorm statistics stay per rank), or run on GPUs.",
+            training_only=True)
+
+    if combo.global_batch_size is not None and combo.world_size > 1 and combo.global_batch_size % combo.world_size:
+        per_rank = combo.global_batch_size / combo.world_size
+        add(("batch_size", "world_size"),
+            f"{n('batch_size')}={combo.global_batch_size} is the global batch and does not split evenly over "
+            f"{n('world_size')}={combo.world_size} ranks ({combo.global_batch_size} / {combo.world_size} = {per_rank:g}).",
+            f"Use a multiple of {combo.world_size}, e.g. {n('batch_size')}="
+            f"{(combo.global_batch_size // combo.world_size + 1) * combo.world_size}.")
+    return problems

@@ -1,0 +1,125 @@
+"""Wrap policies: which submodules become their own FSDP units.
+
+Policies use FSDP1's calling convention ``policy(module=, recurse=, nonwrapped_numel=)``. FSDP1 runs them
+itself; for FSDP2, which has no auto-wrap, ``plan_units`` runs the same traversal and returns the names
+of the modules to ``fully_shard`` (children before parents). So one policy means the same units in both.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+# Units of at least this many parameters (about 40 MB in fp32). Bigger units mean fewer, larger collectives,
+# which is what gloo and NCCL both reward; issue-7 benchmarks pick the figure.
+DEFAULT_MIN_NUM_PARAMS = 10_000_000
+POLICY_NAMES = ("size", "transformer", "root")
+
+Policy = Callable[..., bool]
+
+
+def _matches(module: nn.Module, classes: tuple[type | str, ...]) -> bool:
+    cls = type(module)
+    for wanted in classes:
+        if isinstance(wanted, type):
+            if isinstance(module, wanted):
+                return True
+        elif wanted in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+            return True
+    return False
+
+
+def _block_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, classes: tuple) -> bool:
+    return True if recurse else _matches(module, classes)
+
+
+def _size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, min_num_params: int) -> bool:
+    return True if recurse else nonwrapped_numel >= min_num_params
+
+
+def _root_only_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return False
+
+
+def _call_seed_style(fn: Callable, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return fn(module=module, recurse=recurse, unwrapped_params=nonwrapped_numel)
+
+
+def _call_positional(fn: Callable, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return fn(module, recurse, nonwrapped_numel)
+
+
+def bridge_policy(fn: Callable) -> Policy:
+    """Make a user policy callable by keyword as torch calls it.
+
+    torch >= 2.x calls ``policy(module=, recurse=, nonwrapped_numel=)``; policies written to the older
+    documented signature ``(module, recurse, unwrapped_params, min_num_params=...)`` raise TypeError there.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins / C callables: nothing to inspect, call positionally
+        return functools.partial(_call_positional, fn)
+    if "nonwrapped_numel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn
+    if "unwrapped_params" in params:
+        return functools.partial(_call_seed_style, fn)
+    return functools.partial(_call_positional, fn)
+
+
+def resolve_policy(
+    policy: str | Callable | None = None,
+    *,
+    block_classes: Iterable[type | str] | None = None,
+    min_num_params: int | None = None,
+) -> Any:
+    """A policy name or callable -> an FSDP1-style policy (or a torch policy object, passed through).
+
+    ``None`` picks the transformer policy when ``block_classes`` is given, else the size policy.
+    """
+    classes = tuple(block_classes or ())
+    if policy is None:
+        policy = "transformer" if classes else "size"
+    if callable(policy):
+        # torch's own ModuleWrapPolicy/CustomPolicy objects are callable and already speak torch's convention.
+        return policy if hasattr(policy, "_run_policy") else bridge_policy(policy)
+    match policy:
+        case "size":
+            return functools.partial(_size_policy, min_num_params=int(min_num_params or DEFAULT_MIN_NUM_PARAMS))
+        case "transformer":
+            if not classes:
+                raise ValueError("auto_wrap_policy='transformer' needs block_classes=[...] (class names or classes)")
+            return functools.partial(_block_policy, classes=classes)
+        case "root":
+            return _root_only_policy
+        case other:
+            raise ValueError(f"auto_wrap_policy={other!r} is not a policy; use one of {POLICY_NAMES} or a callable")
+
+
+def plan_units(root: nn.Module, policy: Policy, skip: Callable[[nn.Module], bool] = lambda m: False) -> list[str]:
+    """Names of the submodules ``policy`` makes into units, children first; the root is not included.
+
+    Modules for which ``skip`` is true (already sharded by the user) are left alone with their subtree.
+    Mirrors FSDP1's ``_recursive_wrap``: a parent's size is what its wrapped children leave over.
+    """
+    units: list[str] = []
+
+    def visit(module: nn.Module, name: str) -> int:
+        if module is not root and skip(module):
+            return 0
+        total = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=total):
+            return total
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            remaining += visit(child, f"{name}.{child_name}" if name else child_name)
+        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=remaining):
+            units.append(name)
+            return 0
+        return remaining
+
+    visit(root, "")
+    return units

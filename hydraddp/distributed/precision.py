@@ -1,0 +1,96 @@
+"""One precision name -> what each wrapper needs: FSDP1 MixedPrecision, FSDP2 MixedPrecisionPolicy,
+an autocast forward for none/dp/ddp, a weight cast for bf16-true, and the grad scaler for fp16."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hydraddp.distributed.compat import PRECISIONS
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    name: str
+    compute_dtype: torch.dtype  # dtype of parameters during forward/backward
+    reduce_dtype: torch.dtype  # dtype of gradient reduction
+    storage_dtype: torch.dtype  # dtype of the parameters at rest (the optimizer's copy)
+    needs_scaler: bool = False
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.compute_dtype != self.storage_dtype
+
+
+def precision_spec(name: str | None) -> PrecisionSpec:
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    match name or "fp32":
+        case "fp32":
+            return PrecisionSpec("fp32", f32, f32, f32)
+        case "bf16":
+            # Reduce in fp32: summing bf16 gradients over ranks loses bits that fp32 keeps for free on CPU/gloo.
+            return PrecisionSpec("bf16", bf16, f32, f32)
+        case "fp16":
+            return PrecisionSpec("fp16", f16, f32, f32, needs_scaler=True)
+        case "bf16-true":
+            return PrecisionSpec("bf16-true", bf16, bf16, bf16)
+        case other:
+            raise ValueError(f"precision={other!r} is not an option; use one of: {', '.join(PRECISIONS)}")
+
+
+def fsdp1_mixed_precision(spec: PrecisionSpec):
+    """FSDP1 ``MixedPrecision`` for mixed modes (None otherwise). FSDP1 keeps BatchNorm in fp32 by itself."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    if not spec.is_mixed:
+        return None
+    return MixedPrecision(param_dtype=spec.compute_dtype, reduce_dtype=spec.reduce_dtype, buffer_dtype=spec.compute_dtype)
+
+
+def fsdp2_mp_policy(spec: PrecisionSpec, output_dtype: torch.dtype | None = None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not spec.is_mixed:
+        return MixedPrecisionPolicy(output_dtype=output_dtype)
+    return MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=spec.reduce_dtype, output_dtype=output_dtype)
+
+
+def _outputs_to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_outputs_to_fp32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _outputs_to_fp32(v) for k, v in value.items()}
+    return value
+
+
+def autocast_forward(module: nn.Module, spec: PrecisionSpec, device_type: str) -> None:
+    """Run ``module.forward`` under autocast and return fp32 outputs, so the loss is computed in fp32.
+
+    Patched on the instance (as Accelerate does) so that state_dict keys and the wrapper type stay as they are.
+    """
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device_type, dtype=spec.compute_dtype):
+            out = original(*args, **kwargs)
+        return _outputs_to_fp32(out)
+
+    module.forward = forward
+
+
+def make_grad_scaler(spec: PrecisionSpec, sharded: bool, device_type: str = "cuda"):
+    """The scaler fp16 needs (``ShardedGradScaler`` under FSDP), or None when the precision needs none."""
+    if not spec.needs_scaler:
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device_type)
+    return torch.amp.GradScaler(device_type)

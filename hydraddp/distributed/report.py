@@ -1,0 +1,143 @@
+"""WrapReport: what the wrapping actually did, measured from this rank's tensors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from hydraddp.distributed import api
+from hydraddp.distributed.precision import PrecisionSpec, precision_spec
+
+ROOT = "<root>"
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+
+
+@dataclass(frozen=True)
+class WrapRecord:
+    """What auto_model decided, kept on the model so wrap_report can tell it later."""
+
+    wrap: str
+    precision: PrecisionSpec
+    offload: str
+    total_numel: int
+
+
+@dataclass
+class WrapReport:
+    """The realized wrapping and this rank's shard sizes (bytes, not GiB).
+
+    >>> report = idist.wrap_report(model, optimizer)  # doctest: +SKIP
+    >>> every_rank = report.gather()  # one WrapReport per rank, on every rank  # doctest: +SKIP
+    """
+
+    wrapper: str
+    backend: str | None
+    world_size: int
+    rank: int
+    mesh_shape: list[int] | None
+    units: list[str]
+    precision: str
+    param_dtype: str
+    reduce_dtype: str
+    storage_dtype: str
+    offload: str
+    total_numel: int
+    local_numel: int
+    param_bytes: int
+    grad_bytes: int
+    optim_state_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WrapReport:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def gather(self) -> list[WrapReport]:
+        """Every rank's report, in rank order. A collective: call it on all ranks."""
+        return [WrapReport.from_dict(d) for d in api.all_gather(self.to_dict())]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # DTensor (FSDP2): this rank's shard
+    return to_local() if to_local is not None else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def _clean(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name or ROOT
+
+
+def _realized(model: nn.Module) -> tuple[str, list[str], list[int] | None]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    fsdp2 = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if fsdp2:
+        mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+        return "fsdp2", [_clean(n) for n in fsdp2], list(mesh.shape) if mesh is not None else None
+    fsdp1 = [name for name, m in model.named_modules() if isinstance(m, FSDP)]
+    if fsdp1:
+        return "fsdp", [_clean(n) for n in fsdp1], [model.process_group.size()] if isinstance(model, FSDP) else None
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "ddp", [ROOT], [model.process_group.size()]
+    if isinstance(model, nn.DataParallel):
+        return "dp", [ROOT], [len(model.device_ids)]
+    return "none", [], None
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    inner = getattr(optimizer, "optimizer", None)  # ZeroRedundancy-style or Horovod-style wrappers
+    state = optimizer.state if optimizer.state or inner is None else inner.state
+    return sum(_nbytes(v) for per_param in state.values() for v in per_param.values() if isinstance(v, torch.Tensor))
+
+
+def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> WrapReport:
+    """Report the realized wrapping of ``model`` and this rank's param/grad/optimizer-state bytes.
+
+    Take it after the first optimizer step to see grads and optimizer state.
+    """
+    record: WrapRecord | None = getattr(model, "_hydraddp_wrap", None)
+    wrapper, units, mesh_shape = _realized(model)
+    params = list({id(p): p for p in model.parameters()}.values())
+    local_numel = sum(_local(p).numel() for p in params)
+    storage = _local(params[0]).dtype if params else torch.float32
+    if record is not None:
+        spec, offload, total = record.precision, record.offload, record.total_numel
+        if record.wrap == "horovod":
+            wrapper = "horovod"
+    else:
+        spec = precision_spec("bf16-true" if storage == torch.bfloat16 else "fp32")
+        offload, total = "none", sum(p.numel() for p in params)  # DTensor.numel() is the global count
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return WrapReport(
+        wrapper=wrapper,
+        backend=api.backend(),
+        world_size=api.get_world_size(),
+        rank=api.get_rank(),
+        mesh_shape=mesh_shape,
+        units=units,
+        precision=spec.name,
+        param_dtype=name(spec.compute_dtype),
+        reduce_dtype=name(spec.reduce_dtype),
+        storage_dtype=name(storage),
+        offload=offload,
+        total_numel=total,
+        local_numel=local_numel,
+        param_bytes=sum(_nbytes(p) for p in params),
+        grad_bytes=sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        optim_state_bytes=_optimizer_state_bytes(optimizer),
+    )

@@ -1,0 +1,148 @@
+"""How to apply each wrapper. ``auto_model`` decides which; these functions only build it.
+
+Every function takes the model already on its device and returns the wrapped model. Keyword
+arguments are the wrapper's own, forwarded as given, plus the hydraddp policy keywords
+(``auto_wrap_policy``, ``block_classes``, ``min_num_params``) for the FSDP ones.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hydraddp.distributed.policies import plan_units, resolve_policy
+from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
+
+# Parameters that FSDP replaced while wrapping. An optimizer that still holds one of them was created
+# before wrapping and would silently train nothing: auto_optim refuses it. Keyed by id with weak
+# references, because tensors compare elementwise and so cannot live in a WeakSet.
+_REPLACED_PARAMS: dict[int, weakref.ref] = {}
+
+
+def _remember_replaced(params: Iterable[torch.Tensor]) -> None:
+    for p in params:
+        _REPLACED_PARAMS[id(p)] = weakref.ref(p, lambda _, key=id(p): _REPLACED_PARAMS.pop(key, None))
+
+
+def was_replaced(param: torch.Tensor) -> bool:
+    ref = _REPLACED_PARAMS.get(id(param))
+    return ref is not None and ref() is param
+
+BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+
+
+def _pop_policy(kwargs: dict[str, Any]) -> Any:
+    return resolve_policy(
+        kwargs.pop("auto_wrap_policy", None),
+        block_classes=kwargs.pop("block_classes", None),
+        min_num_params=kwargs.pop("min_num_params", None),
+    )
+
+
+def _enum(enum_cls: Any, value: Any) -> Any:
+    """Accept FSDP1 enum members or their names in any case (config files hold strings)."""
+    if value is None or isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls[str(value).upper()]
+    except KeyError:
+        valid = ", ".join(m.name.lower() for m in enum_cls)
+        raise ValueError(f"{enum_cls.__name__}={value!r} is not an option; use one of: {valid}") from None
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, **kwargs: Any) -> nn.Module:
+    if device.type == "cuda":
+        if "device_ids" in kwargs:
+            raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{device.index}]); drop device_ids={kwargs['device_ids']}")
+        kwargs["device_ids"] = [device.index]
+    return nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def wrap_dp(model: nn.Module, **kwargs: Any) -> nn.Module:
+    return nn.DataParallel(model, **kwargs)
+
+
+def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offload: bool, **kwargs: Any) -> nn.Module:
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kwargs["auto_wrap_policy"] = _pop_policy(kwargs)
+    # On CPU FSDP1 must be told device_id=cpu, or it looks for an accelerator.
+    kwargs.setdefault("device_id", device)
+    if offload:
+        kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))
+    if kwargs.get("mixed_precision") is None:
+        kwargs["mixed_precision"] = fsdp1_mixed_precision(spec)
+    for key, enum_cls in (("backward_prefetch", BackwardPrefetch), ("sharding_strategy", ShardingStrategy)):
+        if key in kwargs:
+            kwargs[key] = _enum(enum_cls, kwargs[key])
+    before = list(model.parameters())
+    wrapped = FSDP(model, **kwargs)
+    _remember_replaced(before)
+    return wrapped
+
+
+def wrap_fsdp2(
+    model: nn.Module, device: torch.device, world_size: int, spec: PrecisionSpec, offload: bool, **kwargs: Any
+) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    policy = _pop_policy(kwargs)
+    mesh = kwargs.pop("mesh", None) or init_device_mesh(device.type, (world_size,))
+    user_mp = kwargs.pop("mp_policy", None)
+    offload_policy = kwargs.pop("offload_policy", None) or (CPUOffloadPolicy() if offload else OffloadPolicy())
+    common = {"mesh": mesh, "offload_policy": offload_policy, **kwargs}
+    unit_mp = user_mp or fsdp2_mp_policy(spec)
+    # The root returns fp32 outputs in mixed modes, so the loss is computed in fp32 as under autocast.
+    root_mp = user_mp or fsdp2_mp_policy(spec, output_dtype=torch.float32 if spec.is_mixed else None)
+
+    def is_sharded(module: nn.Module) -> bool:
+        return isinstance(module, FSDPModule)
+
+    before = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
+    if spec.is_mixed and user_mp is None:
+        # BatchNorm in reduced precision drifts; the known fix is its own unit kept in fp32, whose output
+        # is cast back to the compute dtype for the next layer.
+        bn_mp = fsdp2_mp_policy(PrecisionSpec("fp32", *(torch.float32,) * 3), output_dtype=spec.compute_dtype)
+        for module in model.modules():
+            if isinstance(module, BATCHNORM_TYPES) and not is_sharded(module) and any(True for _ in module.parameters()):
+                fully_shard(module, mp_policy=bn_mp, **common)
+    for name in plan_units(model, policy, skip=is_sharded):
+        module = model.get_submodule(name)
+        if not is_sharded(module):
+            fully_shard(module, mp_policy=unit_mp, **common)
+    if not is_sharded(model):
+        fully_shard(model, mp_policy=root_mp, **common)
+    _remember_replaced(before)
+    return model
+
+
+def convert_batchnorm(model: nn.Module, factory: Any) -> nn.Module:
+    """Replace every BatchNorm with ``factory(bn)``, keeping its parameters and statistics."""
+    if isinstance(model, BATCHNORM_TYPES):
+        new = factory(model)
+        new.load_state_dict(model.state_dict())
+        return new
+    for name, child in model.named_children():
+        setattr(model, name, convert_batchnorm(child, factory))
+    return model
+
+
+def wrap_horovod(model: nn.Module, sync_bn: bool) -> nn.Module:
+    """Horovod's data parallelism: every rank starts from rank 0's parameters and buffers."""
+    import horovod.torch as hvd
+
+    if sync_bn:
+        model = convert_batchnorm(
+            model,
+            lambda bn: hvd.SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats).to(
+                next(bn.parameters(), torch.empty(0)).device
+            ),
+        )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model

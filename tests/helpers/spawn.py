@@ -1,0 +1,105 @@
+"""The one multi-process helper: real workers on free ports, with a timeout and a no-orphan check.
+
+Each launch runs in its own subprocess (its own session), tagged with a unique environment token, so a
+hang is killed as a group and any process that outlives it is found by that token in /proc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN_VAR = "HYDRADDP_TEST_TOKEN"
+
+
+def processes_with_token(token: str) -> list[int]:
+    """PIDs whose environment holds ``HYDRADDP_TEST_TOKEN=token`` (zombies excluded)."""
+    needle = f"{TOKEN_VAR}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "stat").read_text().split(") ")[1].startswith("Z"):
+                continue
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def assert_no_orphans(token: str, grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while (left := processes_with_token(token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"processes outlived the launch: {left}")
+
+
+def child_env(token: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, TOKEN_VAR: token, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Launched:
+    """What a subprocess left behind."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    token: str
+
+
+def run_process(cmd: list[str], timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None,
+                check_orphans: bool = True) -> Launched:
+    """Run ``cmd`` in its own session with a token; kill the whole group on timeout; check for orphans."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=cwd or REPO, env=child_env(token, env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}") from None
+    finally:
+        if check_orphans:
+            assert_no_orphans(token)
+    return Launched(proc.returncode, out, err, token)
+
+
+def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo", timeout: float = 120,
+                 env: dict[str, str] | None = None, tmp_path: Path, expect_failure: bool = False, **parallel_kwargs: Any):
+    """Run ``target`` ("module:function") as ``fn(local_rank, *args)`` on ``nproc`` real workers via ``Parallel``.
+
+    Returns ``{rank: return value}``; with ``expect_failure`` returns the ``WorkerFailedError`` fields instead.
+    """
+    payload, result = tmp_path / f"payload-{uuid.uuid4().hex}.pt", tmp_path / f"result-{uuid.uuid4().hex}.pt"
+    torch.save({"target": target, "args": args, "nproc": nproc, "backend": backend, "kwargs": parallel_kwargs}, payload)
+    launched = run_process([sys.executable, "-m", "tests.helpers.launch", str(payload), str(result)], timeout, env)
+    if launched.returncode != 0 or not result.exists():
+        raise AssertionError(f"launch exited {launched.returncode}\nstdout:\n{launched.stdout[-3000:]}\nstderr:\n{launched.stderr[-6000:]}")
+    outcome = torch.load(result, weights_only=False)
+    if expect_failure:
+        assert "failure" in outcome, f"expected a worker failure, got results {outcome}"
+        return outcome["failure"]
+    if "failure" in outcome:
+        raise AssertionError(f"worker failed: {outcome['failure']}\nstderr:\n{launched.stderr[-6000:]}")
+    return outcome["results"]
