@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hydraddp.distributed import machine
 from hydraddp.distributed.context import Context, SerialContext
 from hydraddp.distributed.horovod import HOROVOD, HorovodContext, has_hvd_support
 from hydraddp.distributed.native import NATIVE_BACKENDS, NativeContext, native_backends_available
@@ -52,6 +53,8 @@ def initialize(backend: str, **kwargs: Any) -> Context:
     global _context
     if _context is not None:
         raise RuntimeError(f"A distributed context is already active ({_context!r}); call finalize() first")
+    if backend in (*NATIVE_BACKENDS, HOROVOD):
+        machine.raise_for_problems(machine.combination(backend=backend), ["backend"])
     if backend in NATIVE_BACKENDS:
         _context = NativeContext.create_from_backend(backend, **kwargs)
     elif backend == HOROVOD:

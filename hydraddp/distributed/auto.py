@@ -8,15 +8,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import api, wrappers
-from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, check_compatibility, resolve_wrap
+from hydraddp.distributed import api, machine, wrappers
+from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.horovod import HOROVOD
-from hydraddp.distributed.precision import autocast_forward, make_grad_scaler, precision_spec
+from hydraddp.distributed.precision import autocast_forward, low_precision_io, make_grad_scaler, precision_spec
 from hydraddp.distributed.report import WrapRecord
 
 log = logging.getLogger(__name__)
@@ -32,27 +31,11 @@ def _offload_from(kwargs: dict[str, Any]) -> str:
 
 
 def combination_here(**fields: Any) -> Combination:
-    """A ``Combination`` filled in with this process's context and devices."""
+    """A ``Combination`` for this process: its context's backend and world size, this machine's devices."""
     ctx = api.current()
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     fields.setdefault("backend", ctx.backend())
     fields.setdefault("world_size", ctx.world_size())
-    return Combination(
-        cuda_device_count=cuda,
-        bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
-        has_horovod=ctx.backend() == HOROVOD,
-        has_mpi=dist.is_available() and dist.is_mpi_available(),
-        **fields,
-    )
-
-
-def _check(combo: Combination) -> None:
-    problems = check_compatibility(combo)
-    fatal = [p for p in problems if not p.training_only]
-    if fatal:
-        raise ConfigurationError(fatal)
-    for problem in problems:
-        warnings.warn(str(problem), stacklevel=3)
+    return machine.combination(has_horovod=ctx.backend() == HOROVOD, **fields)
 
 
 def auto_model(
@@ -80,7 +63,7 @@ def auto_model(
         wrap = "fsdp2"
     offload = _offload_from(kwargs)
     combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn)
-    _check(combo)
+    machine.raise_for_problems(combo)
     realized = resolve_wrap(combo)
     spec = precision_spec(precision)
     device = api.device()
@@ -110,6 +93,8 @@ def auto_model(
             model = wrappers.wrap_fsdp2(model, device, api.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
+    if spec.storage_dtype != torch.float32:
+        low_precision_io(model, spec)
     model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel)
     return model
 
@@ -206,10 +191,7 @@ def auto_dataloader(dataset: Dataset, **kwargs: Any) -> DataLoader:
     rank, world = api.get_rank(), api.get_world_size()
     if world > 1:
         if "batch_size" in kwargs:
-            combo = combination_here(global_batch_size=kwargs["batch_size"])
-            problems = [p for p in check_compatibility(combo) if "batch_size" in p.keys]
-            if problems:
-                raise ConfigurationError(problems)
+            machine.raise_for_problems(combination_here(global_batch_size=kwargs["batch_size"]), ["batch_size"])
             kwargs["batch_size"] //= world
         nproc = api.get_nproc_per_node()
         if kwargs.get("num_workers", 0) >= nproc:

@@ -18,12 +18,11 @@ BACKENDS = ("none", "gloo", "nccl", "mpi", "horovod")
 
 @dataclass(frozen=True)
 class Problem:
-    """One reason a combination cannot run. ``training_only``: wrapping works, the first train step won't."""
+    """One reason a combination cannot run: the keys involved, what is wrong, and how to fix it."""
 
     keys: tuple[str, ...]
     message: str
     fix: str
-    training_only: bool = False
 
     def __str__(self) -> str:
         return f"{self.message} {self.fix}"
@@ -77,8 +76,8 @@ def check_compatibility(combo: Combination) -> list[Problem]:
     n = lambda key: combo.names.get(key, key)  # noqa: E731
     problems: list[Problem] = []
 
-    def add(keys: tuple[str, ...], message: str, fix: str, training_only: bool = False) -> None:
-        problems.append(Problem(tuple(n(k) for k in keys), message, fix, training_only))
+    def add(keys: tuple[str, ...], message: str, fix: str) -> None:
+        problems.append(Problem(tuple(n(k) for k in keys), message, fix))
 
     backend = combo.backend or "none"
     precision = combo.precision or "fp32"
@@ -144,11 +143,10 @@ def check_compatibility(combo: Combination) -> list[Problem]:
         add(("precision",), f"precision={precision} needs bf16 support, and this GPU has none.",
             "Use precision=fp16 or fp32 on this GPU.")
 
-    if combo.sync_bn and wrap != "dp" and combo.world_size > 1 and not gpu:
-        add(("sync_bn",), "sync_bn=true: SyncBatchNorm's training forward only runs on CUDA/XPU inputs, "
-            "and this machine has no GPU.",
-            f"Set {n('sync_bn')}=false on CPU (BatchNorm statistics stay per rank), or run on GPUs.",
-            training_only=True)
+    if combo.sync_bn and wrap in ("ddp", "fsdp", "fsdp2") and combo.world_size > 1 and not gpu:
+        add(("sync_bn",), "sync_bn=true needs GPUs: SyncBatchNorm only runs on CUDA/XPU modules "
+            "(DDP refuses it on CPU), and this machine has none.",
+            f"Set {n('sync_bn')}=false on CPU (BatchNorm statistics then stay per rank), or run on GPUs.")
 
     if combo.global_batch_size is not None and combo.world_size > 1 and combo.global_batch_size % combo.world_size:
         per_rank = combo.global_batch_size / combo.world_size

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hydraddp.distributed import api
+from hydraddp.distributed import api, machine
 from hydraddp.distributed.env import detect_launch_env, free_port
 from hydraddp.distributed.horovod import HOROVOD
 
@@ -134,6 +134,10 @@ class Parallel:
         self.tee = tee
         self.monitor_interval = monitor_interval
         self.init_kwargs = init_kwargs
+        if self.backend is not None:
+            # Refuse a backend this machine cannot run here, before any worker starts.
+            world = (nproc_per_node or 1) * self.nnodes
+            machine.raise_for_problems(machine.combination(backend=self.backend, world_size=world), ["backend"])
         if self.nnodes > 1 and not (rdzv_endpoint or (master_addr and master_port)):
             raise ValueError(
                 f"nnodes={self.nnodes} needs a rendezvous address every node can reach: "

@@ -21,6 +21,11 @@ POLICY_NAMES = ("size", "transformer", "root")
 
 Policy = Callable[..., bool]
 
+# Containers have no forward of their own: as an FSDP unit their parameters would never be gathered
+# (torch's size policy excludes them too). MultiheadAttention reads its weights outside submodule calls.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+LEAVES = (nn.MultiheadAttention,)
+
 
 def _matches(module: nn.Module, classes: tuple[type | str, ...]) -> bool:
     cls = type(module)
@@ -38,7 +43,15 @@ def _block_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, class
 
 
 def _size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, min_num_params: int) -> bool:
-    return True if recurse else nonwrapped_numel >= min_num_params
+    if recurse:
+        return not isinstance(module, LEAVES)
+    return nonwrapped_numel >= min_num_params
+
+
+def _never_containers(policy: Policy, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    if not recurse and isinstance(module, CONTAINERS):
+        return False
+    return policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
 
 
 def _root_only_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
@@ -54,7 +67,7 @@ def _call_positional(fn: Callable, module: nn.Module, recurse: bool, nonwrapped_
 
 
 def bridge_policy(fn: Callable) -> Policy:
-    """Make a user policy callable by keyword as torch calls it.
+    """Make a user policy callable by keyword as torch calls it, and never let it wrap a container.
 
     torch >= 2.x calls ``policy(module=, recurse=, nonwrapped_numel=)``; policies written to the older
     documented signature ``(module, recurse, unwrapped_params, min_num_params=...)`` raise TypeError there.
@@ -62,12 +75,14 @@ def bridge_policy(fn: Callable) -> Policy:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins / C callables: nothing to inspect, call positionally
-        return functools.partial(_call_positional, fn)
+        params = {}
     if "nonwrapped_numel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn
-    if "unwrapped_params" in params:
-        return functools.partial(_call_seed_style, fn)
-    return functools.partial(_call_positional, fn)
+        keyword_policy = fn
+    elif "unwrapped_params" in params:
+        keyword_policy = functools.partial(_call_seed_style, fn)
+    else:
+        keyword_policy = functools.partial(_call_positional, fn)
+    return functools.partial(_never_containers, keyword_policy)
 
 
 def resolve_policy(
@@ -116,7 +131,8 @@ def plan_units(root: nn.Module, policy: Policy, skip: Callable[[nn.Module], bool
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         for child_name, child in module.named_children():
             remaining += visit(child, f"{name}.{child_name}" if name else child_name)
-        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=remaining):
+        is_unit = module is not root and not isinstance(module, CONTAINERS)
+        if is_unit and policy(module=module, recurse=False, nonwrapped_numel=remaining):
             units.append(name)
             return 0
         return remaining

@@ -3,6 +3,7 @@ an autocast forward for none/dp/ddp, a weight cast for bf16-true, and the grad s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -59,30 +60,44 @@ def fsdp2_mp_policy(spec: PrecisionSpec, output_dtype: torch.dtype | None = None
     return MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=spec.reduce_dtype, output_dtype=output_dtype)
 
 
-def _outputs_to_fp32(value: Any) -> Any:
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() else value
+        return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_outputs_to_fp32(v) for v in value)
+        return type(value)(_cast_floats(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _outputs_to_fp32(v) for k, v in value.items()}
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
     return value
 
 
-def autocast_forward(module: nn.Module, spec: PrecisionSpec, device_type: str) -> None:
-    """Run ``module.forward`` under autocast and return fp32 outputs, so the loss is computed in fp32.
-
-    Patched on the instance (as Accelerate does) so that state_dict keys and the wrapper type stay as they are.
-    """
+def _patch_forward(module: nn.Module, around: Any = contextlib.nullcontext, inputs_dtype: torch.dtype | None = None) -> None:
+    # Patched on the instance (as Accelerate does) so state_dict keys and the wrapper type stay as they are.
     original = module.forward
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=device_type, dtype=spec.compute_dtype):
+        if inputs_dtype is not None:
+            args, kwargs = _cast_floats(args, inputs_dtype), _cast_floats(kwargs, inputs_dtype)
+        with around():
             out = original(*args, **kwargs)
-        return _outputs_to_fp32(out)
+        return _cast_floats(out, torch.float32)
 
     module.forward = forward
+
+
+def autocast_forward(module: nn.Module, spec: PrecisionSpec, device_type: str) -> None:
+    """Run ``module.forward`` under autocast and return fp32 outputs, so the loss is computed in fp32."""
+    _patch_forward(module, lambda: torch.autocast(device_type=device_type, dtype=spec.compute_dtype))
+
+
+def fp32_outputs(module: nn.Module) -> None:
+    """Return fp32 outputs from a module that computes in low precision (FSDP1 has no output dtype)."""
+    _patch_forward(module)
+
+
+def low_precision_io(module: nn.Module, spec: PrecisionSpec) -> None:
+    """bf16-true: cast floating inputs to the weights' dtype, return fp32 outputs."""
+    _patch_forward(module, inputs_dtype=spec.storage_dtype)
 
 
 def make_grad_scaler(spec: PrecisionSpec, sharded: bool, device_type: str = "cuda"):

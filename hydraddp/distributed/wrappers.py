@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hydraddp.distributed.policies import plan_units, resolve_policy
-from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
+from hydraddp.distributed.precision import PrecisionSpec, fp32_outputs, fsdp1_mixed_precision, fsdp2_mp_policy
 
 # Parameters that FSDP replaced while wrapping. An optimizer that still holds one of them was created
 # before wrapping and would silently train nothing: auto_optim refuses it. Keyed by id with weak
@@ -83,6 +83,8 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
     before = list(model.parameters())
     wrapped = FSDP(model, **kwargs)
     _remember_replaced(before)
+    if spec.is_mixed:
+        fp32_outputs(wrapped)  # as the root of FSDP2 and autocast do: the loss is computed in fp32
     return wrapped
 
 

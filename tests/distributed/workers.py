@@ -28,7 +28,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in state.items()}
 
 
-def train_parity(local_rank: int, wrap: str | None, precision: str, steps: int = 5, optim: str = "sgd",
+def train_parity(local_rank: int, wrap: str | None, precision: str, optim: str = "sgd", steps: int = 5,
                  model_kwargs: dict | None = None) -> dict:
     """A few steps on the same data and global batch: per-step global losses and final full parameters."""
     model = idist.auto_model(mlp(), wrap=wrap, precision=precision, **(model_kwargs or {}))
@@ -48,3 +48,145 @@ def train_parity(local_rank: int, wrap: str | None, precision: str, steps: int =
         losses.append(idist.all_reduce(loss.item()) / idist.get_world_size())
     report = idist.wrap_report(model, optimizer).to_dict()
     return {"losses": losses, "params": full_params(model), "report": report, "type": type(model).__name__}
+
+
+def train_cases(local_rank: int, cases: list[tuple]) -> dict[tuple, dict]:
+    """Several ``train_parity`` runs in one process group: (wrap, precision, optim) -> result."""
+    return {case: train_parity(local_rank, *case) for case in cases}
+
+
+def _step(model: nn.Module, batch: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    loss = nn.functional.cross_entropy(model(batch).flatten(0, -2), target.flatten())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def wrap_units(local_rank: int, cases: dict[str, tuple[str, dict]]) -> dict[str, dict]:
+    """name -> (wrap, auto_model kwargs): wrap a tiny transformer, take one step, return the WrapReport."""
+    from tests.distributed.models import tiny_transformer
+
+    out = {}
+    for name, (wrap, kwargs) in cases.items():
+        model = idist.auto_model(tiny_transformer(depth=3), wrap=wrap, **kwargs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(idist.get_rank()))
+        _step(model, tokens, tokens, optimizer)
+        out[name] = idist.wrap_report(model, optimizer).to_dict()
+    return out
+
+
+def batchnorm_cases(local_rank: int) -> dict:
+    """BatchNorm under bf16: DDP autocast and both FSDPs, which must keep it in its own fp32 unit."""
+    from tests.distributed.models import bn_net
+
+    out: dict = {}
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(idist.get_rank()))
+    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(10 + idist.get_rank()))
+    for wrap in ("ddp", "fsdp", "fsdp2"):
+        model = idist.auto_model(bn_net(), wrap=wrap, precision="bf16")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = [_step(model, x, y, optimizer) for _ in range(3)]
+        bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm1d))
+        out[wrap] = {"report": idist.wrap_report(model).to_dict(), "losses": losses,
+                     "bn_running_mean_dtype": str(bn.running_mean.dtype)}
+    return out
+
+
+def error_cases(local_rank: int) -> dict[str, str]:
+    """Each misuse the core must refuse, with the message it gives."""
+    from hydraddp.distributed import ConfigurationError
+
+    attempts = {
+        "offload": lambda: idist.auto_model(mlp(), wrap="fsdp2", offload="cpu"),
+        "fp16": lambda: idist.auto_model(mlp(), wrap="ddp", precision="fp16"),
+        "dp_with_process_group": lambda: idist.auto_model(mlp(), wrap="dp"),
+        "uneven_batch": lambda: idist.auto_dataloader(dataset(), batch_size=15),
+        "unknown_wrap": lambda: idist.auto_model(mlp(), wrap="zero3"),
+        "sync_bn_on_cpu": lambda: idist.auto_model(mlp(), sync_bn=True, wrap="ddp"),
+    }
+
+    def optimizer_before_wrapping(wrap):
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        idist.auto_model(model, wrap=wrap)
+        idist.auto_optim(optimizer)
+
+    attempts["optimizer_before_fsdp"] = lambda: optimizer_before_wrapping("fsdp")
+    attempts["optimizer_before_fsdp2"] = lambda: optimizer_before_wrapping("fsdp2")
+    out = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = "no error"
+        except ConfigurationError as exc:
+            out[name] = str(exc)
+    # The supported order passes: wrap, then create the optimizer.
+    model = idist.auto_model(mlp(), wrap="fsdp2")
+    idist.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+    return out
+
+
+def ignite_choice(local_rank: int) -> dict[str, str]:
+    """The wrapper ignite's auto_model picks and the one ours picks with wrap=None, in the same process."""
+    import ignite.distributed as ignite_idist
+
+    return {
+        "ignite": type(ignite_idist.auto_model(mlp())).__name__,
+        "hydraddp": type(idist.auto_model(mlp())).__name__,
+        "use_fsdp": idist.wrap_report(idist.auto_model(mlp(), use_fsdp=True)).wrapper if idist.get_world_size() > 1 else "",
+    }
+
+
+def collectives(local_rank: int) -> dict:
+    rank = idist.get_rank()
+    return {
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": idist.get_world_size(),
+        "nproc_per_node": idist.get_nproc_per_node(),
+        "nnodes": idist.get_nnodes(),
+        "node_rank": idist.get_node_rank(),
+        "backend": idist.backend(),
+        "device": str(idist.device()),
+        "sum_int": idist.all_reduce(rank + 1),
+        "max_float": idist.all_reduce(float(rank) * 2.5, "max"),
+        "avg_tensor": idist.all_reduce(torch.tensor([float(rank), 2.0]), "average").tolist(),
+        "gather_tensor": idist.all_gather(torch.tensor([rank, rank])).tolist(),
+        "gather_number": idist.all_gather(rank * 10),
+        "gather_str": idist.all_gather(f"r{rank}"),
+        "gather_dict": idist.all_gather({"rank": rank}),
+        "broadcast_tensor": idist.broadcast(torch.tensor([rank + 7]), src=1).tolist(),
+        "broadcast_str": idist.broadcast(f"from{rank}", src=0),
+        "broadcast_safe": idist.broadcast("only-src" if rank == 0 else None, src=0, safe_mode=True),
+        "threads": torch.get_num_threads(),
+        "omp_env": __import__("os").environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def dataloader_shards(local_rank: int) -> dict:
+    loader = idist.auto_dataloader(dataset(40), batch_size=8, num_workers=0, shuffle=True)
+    epochs = []
+    for _ in range(2):
+        iter(loader)  # each pass moves the sampler to the next epoch
+        epochs.append([int(i) for i in loader.sampler])
+    first_batch = next(iter(loader))[0]
+    return {"loader_type": type(loader).__name__, "sampler": type(loader.sampler).__name__,
+            "per_rank_batch": loader.batch_size, "first_batch_rows": first_batch.shape[0], "epochs": epochs,
+            "pin_memory": loader.pin_memory}
+
+
+def fail_on_rank(local_rank: int, failing_rank: int) -> None:
+    if idist.get_rank() == failing_rank:
+        raise ValueError(f"boom on rank {failing_rank}")
+    idist.barrier()  # the healthy rank waits for the failed one: the agent must still stop it
+
+
+def sleep_forever(local_rank: int, marker_dir: str) -> None:
+    import pathlib
+    import time
+
+    pathlib.Path(marker_dir, f"started-{idist.get_rank()}").touch()
+    while True:
+        time.sleep(0.1)
