@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +43,7 @@ class _Entry:
     args: tuple
     kwargs: dict[str, Any]
     init_kwargs: dict[str, Any]
+    failure_dir: str | None = None
 
     def __call__(self) -> Any:
         threads = os.environ.get("OMP_NUM_THREADS")
@@ -45,13 +52,38 @@ class _Entry:
         api.initialize(self.backend, **self.init_kwargs)
         try:
             return self.fn(api.get_local_rank(), *self.args, **self.kwargs)
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
         finally:
             api.finalize()
+
+    def _record_failure(self, exc: BaseException) -> None:
+        # torch reports only the rank whose exit it noticed first, often a peer that failed *because* the
+        # real culprit died. Each rank notes when it failed, so the parent can name the first one.
+        if self.failure_dir is None:
+            return
+        record = {
+            "rank": api.get_rank(),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "time": time.time(),
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+        Path(self.failure_dir, f"rank{record['rank']}.json").write_text(json.dumps(record))
 
 
 def _run_entry(entry: _Entry) -> Any:
     """The spawned process's entrypoint (elastic_launch wants a named function)."""
     return entry()
+
+
+def _first_recorded_failure(failure_dir: str) -> WorkerFailedError | None:
+    records = [json.loads(p.read_text()) for p in Path(failure_dir).glob("rank*.json")]
+    if not records:
+        return None
+    first = min(records, key=lambda r: (-r["attempt"], r["time"]))
+    return WorkerFailedError(first["rank"], first["error"], 1, first["traceback"])
 
 
 def _first_line(text: str) -> str:
@@ -214,15 +246,18 @@ class Parallel:
         env = {}
         if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
             env["OMP_NUM_THREADS"] = "1"  # torchrun's rule: N ranks must not fight over the same cores
-        entry = _Entry(self.backend, fn, args, kwargs, self.init_kwargs)
+        failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
+        entry = _Entry(self.backend, fn, args, kwargs, self.init_kwargs, failure_dir)
         try:
             with _worker_env(env):
                 return elastic_launch(config, _run_entry)(entry)
         except ChildFailedError as exc:
-            raise _failure_from(exc) from None
+            raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None
         except SignalException as exc:
             # The agent already stopped every worker; report it as the interrupt it was.
             raise KeyboardInterrupt(f"stopped by {exc.sigval.name}") from None
+        finally:
+            shutil.rmtree(failure_dir, ignore_errors=True)
 
     def _run_horovod(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[int, Any]:
         import horovod
