@@ -7,47 +7,36 @@
 Imports torch only (Horovod lazily); nothing of Hydra, OmegaConf or MLflow.
 """
 
-from hydraddp.distributed.api import (
-    all_gather,
-    all_reduce,
-    available_backends,
-    backend,
-    barrier,
-    broadcast,
-    current,
-    device,
-    finalize,
-    get_local_rank,
-    get_nnodes,
-    get_node_rank,
-    get_nproc_per_node,
-    get_rank,
-    get_world_size,
-    initialize,
-)
-from hydraddp.distributed.auto import DataLoader, auto_dataloader, auto_model, auto_optim, grad_scaler
-from hydraddp.distributed.compat import (
-    BACKENDS,
-    OFFLOADS,
-    PRECISIONS,
-    WRAPS,
-    Combination,
-    ConfigurationError,
-    Problem,
-    check_compatibility,
-    resolve_wrap,
-)
-from hydraddp.distributed.env import LaunchEnv, detect_launch_env, free_port
-from hydraddp.distributed.horovod import has_hvd_support
-from hydraddp.distributed.launcher import Parallel, WorkerFailedError
-from hydraddp.distributed.native import native_backends_available
-from hydraddp.distributed.report import WrapReport, wrap_report
+import importlib
 
-__all__ = [
-    "BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "DataLoader", "LaunchEnv",
-    "Parallel", "Problem", "WorkerFailedError", "WrapReport", "all_gather", "all_reduce", "auto_dataloader",
-    "auto_model", "auto_optim", "available_backends", "backend", "barrier", "broadcast", "check_compatibility",
-    "current", "detect_launch_env", "device", "finalize", "free_port", "get_local_rank", "get_nnodes",
-    "get_node_rank", "get_nproc_per_node", "get_rank", "get_world_size", "grad_scaler", "has_hvd_support",
-    "initialize", "native_backends_available", "resolve_wrap", "wrap_report",
-]
+# Names load their module on first use (PEP 562): the compatibility rules and the launcher-env parsing are
+# pure Python, so the app can validate a configuration before paying for `import torch`.
+_EXPORTS = {
+    "api": ("all_gather", "all_reduce", "available_backends", "backend", "barrier", "broadcast", "current",
+            "device", "finalize", "get_local_rank", "get_nnodes", "get_node_rank", "get_nproc_per_node",
+            "get_rank", "get_world_size", "initialize"),
+    "auto": ("DataLoader", "auto_dataloader", "auto_model", "auto_optim", "grad_scaler"),
+    "compat": ("BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "Problem",
+               "check_compatibility", "resolve_wrap"),
+    "env": ("LaunchEnv", "detect_launch_env", "free_port"),
+    "horovod": ("has_hvd_support",),
+    "launcher": ("Parallel", "WorkerFailedError"),
+    "native": ("native_backends_available",),
+    "report": ("WrapReport", "wrap_report"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'hydraddp.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hydraddp.distributed.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])
+
+
+__all__ = sorted(_MODULE_OF)

@@ -62,13 +62,16 @@ def auto_model(
             raise ValueError(f"use_fsdp=True means wrap='fsdp2', but wrap={wrap!r} was given; pass one of them")
         wrap = "fsdp2"
     offload = _offload_from(kwargs)
-    combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn)
+    combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn,
+                             nproc_per_node=api.get_nproc_per_node())
     machine.raise_for_problems(combo)
     realized = resolve_wrap(combo)
     spec = precision_spec(precision)
     device = api.device()
 
-    if not all(p.device == device for p in model.parameters()):
+    # FSDP moves each unit to the device as it shards it (and keeps it on the CPU under offload), so only
+    # the other wraps need the whole model moved first.
+    if realized not in ("fsdp", "fsdp2") and not all(p.device == device for p in model.parameters()):
         model.to(device)
     total_numel = sum(p.numel() for p in model.parameters())
     if spec.storage_dtype != torch.float32:
@@ -76,8 +79,6 @@ def auto_model(
     if sync_bn and realized in ("ddp", "fsdp", "fsdp2"):
         log.info("Converting BatchNorm to SyncBatchNorm")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if spec.is_mixed and realized in ("none", "dp", "ddp", HOROVOD):
-        autocast_forward(model, spec, device.type)
 
     log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
     match realized:
@@ -93,6 +94,9 @@ def auto_model(
             model = wrappers.wrap_fsdp2(model, device, api.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
+    # On the outermost module: DataParallel replicas would otherwise call a forward bound to the original.
+    if spec.is_mixed and realized in ("none", "dp", "ddp", HOROVOD):
+        autocast_forward(model, spec, device.type)
     if spec.storage_dtype != torch.float32:
         low_precision_io(model, spec)
     model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel)

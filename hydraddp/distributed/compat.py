@@ -46,6 +46,7 @@ class Combination:
     offload: str = "none"
     sync_bn: bool = False
     world_size: int = 1
+    nproc_per_node: int | None = None  # processes on this node; None: all of world_size
     cuda_device_count: int = 0
     bf16_supported: bool = True
     global_batch_size: int | None = None
@@ -98,6 +99,12 @@ def check_compatibility(combo: Combination) -> list[Problem]:
     if backend == "nccl" and not gpu:
         add(("backend",), "backend=nccl needs CUDA GPUs, and this machine has none.",
             "Use backend=gloo (or backend=auto, which picks gloo without CUDA).")
+    nproc = combo.world_size if combo.nproc_per_node is None else combo.nproc_per_node
+    if backend == "nccl" and gpu and nproc > combo.cuda_device_count:
+        add(("backend", "nproc_per_node"),
+            f"backend=nccl runs one process per GPU, but {n('nproc_per_node')}={nproc} and this node has "
+            f"{combo.cuda_device_count} GPU(s).",
+            f"Set {n('nproc_per_node')}={combo.cuda_device_count} (or fewer).")
     if backend == "mpi" and not combo.has_mpi:
         add(("backend",), "backend=mpi needs a torch build with MPI, and this one has none.",
             "Use backend=gloo, or backend=horovod under mpirun.")

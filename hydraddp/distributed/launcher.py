@@ -244,7 +244,7 @@ class Parallel:
             logs_specs=logs,
         )
         env = {}
-        if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        if "OMP_NUM_THREADS" not in os.environ and self.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's rule: N ranks must not fight over the same cores
         failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
         entry = _Entry(self.backend, fn, args, kwargs, self.init_kwargs, failure_dir)

@@ -1,26 +1,47 @@
-"""Fill a ``Combination`` with the facts of this machine (CUDA devices, bf16, MPI, Horovod) and act on it."""
+"""Fill a ``Combination`` with the facts of this machine (CUDA devices, bf16, MPI, Horovod) and act on it.
+
+Facts are looked up only when a rule needs them, and a CPU build of torch is known to have no CUDA from its
+version string, so the app rejects a bad configuration without paying for ``import torch``.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from hydraddp.distributed.compat import Combination, ConfigurationError, check_compatibility
-from hydraddp.distributed.horovod import HOROVOD, has_hvd_support
+
+
+def cuda_device_count() -> int:
+    if "torch" not in sys.modules:
+        try:
+            if importlib.metadata.version("torch").endswith("+cpu"):
+                return 0
+        except importlib.metadata.PackageNotFoundError:
+            return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def combination(**fields: Any) -> Combination:
     """A ``Combination`` of ``fields`` plus what this machine has. Horovod is only imported when asked for."""
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    fields.setdefault("cuda_device_count", cuda)
-    if "bf16_supported" not in fields and cuda and fields.get("precision") in ("bf16", "bf16-true"):
+    if "cuda_device_count" not in fields:
+        fields["cuda_device_count"] = cuda_device_count()
+    if "bf16_supported" not in fields and fields["cuda_device_count"] and fields.get("precision") in ("bf16", "bf16-true"):
+        import torch
+
         fields["bf16_supported"] = torch.cuda.is_bf16_supported()
-    fields.setdefault("has_mpi", dist.is_available() and dist.is_mpi_available())
-    if "has_horovod" not in fields:
-        fields["has_horovod"] = fields.get("backend") == HOROVOD and has_hvd_support()
+    if "has_mpi" not in fields and fields.get("backend") == "mpi":
+        import torch.distributed as dist
+
+        fields["has_mpi"] = dist.is_available() and dist.is_mpi_available()
+    if "has_horovod" not in fields and fields.get("backend") == "horovod":
+        from hydraddp.distributed.horovod import has_hvd_support
+
+        fields["has_horovod"] = has_hvd_support()
     return Combination(**fields)
 
 

@@ -92,7 +92,7 @@ def wrap_fsdp2(
     model: nn.Module, device: torch.device, world_size: int, spec: PrecisionSpec, offload: bool, **kwargs: Any
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = _pop_policy(kwargs)
     mesh = kwargs.pop("mesh", None) or init_device_mesh(device.type, (world_size,))
@@ -108,9 +108,9 @@ def wrap_fsdp2(
 
     before = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
     if spec.is_mixed and user_mp is None:
-        # BatchNorm in reduced precision drifts; the known fix is its own unit kept in fp32, whose output
-        # is cast back to the compute dtype for the next layer.
-        bn_mp = fsdp2_mp_policy(PrecisionSpec("fp32", *(torch.float32,) * 3), output_dtype=spec.compute_dtype)
+        # BatchNorm in reduced precision drifts; the known fix is its own unit computing in fp32 (inputs cast
+        # up), whose output is cast back to the compute dtype for the next layer.
+        bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=spec.compute_dtype)
         for module in model.modules():
             if isinstance(module, BATCHNORM_TYPES) and not is_sharded(module) and any(True for _ in module.parameters()):
                 fully_shard(module, mp_policy=bn_mp, **common)

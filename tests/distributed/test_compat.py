@@ -115,3 +115,10 @@ def test_configuration_error_lists_every_problem():
 )
 def test_resolve_wrap_follows_ignite(fields, wrap):
     assert resolve_wrap(Combination(**fields)) == wrap
+
+
+def test_nccl_with_more_processes_than_gpus():
+    p = only(backend="nccl", world_size=4, nproc_per_node=4, cuda_device_count=2,
+             names={"nproc_per_node": "launcher.nproc_per_node"})
+    assert "one process per GPU" in p.message and "launcher.nproc_per_node=2" in p.fix
+    assert problems(backend="nccl", world_size=4, nproc_per_node=2, cuda_device_count=2) == []
