@@ -138,13 +138,14 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
     return optimizer
 
 
-def grad_scaler(model: nn.Module):
+def grad_scaler(model: nn.Module, **kwargs: Any):
     """The grad scaler ``model``'s precision needs: ``ShardedGradScaler`` under FSDP, ``GradScaler`` otherwise,
-    None for precisions without one (use ``scaler is None`` to skip scaling)."""
+    None for precisions without one (use ``scaler is None`` to skip scaling). ``kwargs`` go to the scaler."""
     record: WrapRecord | None = getattr(model, "_hydraddp_wrap", None)
     if record is None:
         return None
-    return make_grad_scaler(record.precision, sharded=record.wrap in ("fsdp", "fsdp2"), device_type=api.device().type)
+    return make_grad_scaler(record.precision, sharded=record.wrap in ("fsdp", "fsdp2"),
+                            device_type=api.device().type, **kwargs)
 
 
 class ShardedSampler(Sampler):
@@ -191,8 +192,12 @@ class DataLoader(TorchDataLoader):
 
 def auto_dataloader(dataset: Dataset, **kwargs: Any) -> DataLoader:
     """ignite's ``auto_dataloader``: ``batch_size`` and ``num_workers`` are global and split over ranks,
-    a ``DistributedSampler`` shards the data, ``pin_memory`` is on with CUDA. The split must be even."""
+    a ``DistributedSampler`` shards the data, ``pin_memory`` is on with CUDA. The split must be even.
+
+    hydraddp adds ``seed``: the shuffling order's seed, the same on every rank (default 0).
+    """
     rank, world = api.get_rank(), api.get_world_size()
+    seed = kwargs.pop("seed", 0)
     if world > 1:
         if "batch_size" in kwargs:
             machine.raise_for_problems(combination_here(global_batch_size=kwargs["batch_size"]), ["batch_size"])
@@ -208,6 +213,8 @@ def auto_dataloader(dataset: Dataset, **kwargs: Any) -> DataLoader:
             kwargs["sampler"] = ShardedSampler(kwargs["sampler"], world, rank)
         else:
             shuffle = kwargs.pop("shuffle", True)
-            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle)
+            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+    elif kwargs.get("shuffle") and "generator" not in kwargs:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
     kwargs.setdefault("pin_memory", api.device().type == "cuda")
     return DataLoader(dataset, **kwargs)

@@ -100,12 +100,12 @@ def low_precision_io(module: nn.Module, spec: PrecisionSpec) -> None:
     _patch_forward(module, inputs_dtype=spec.storage_dtype)
 
 
-def make_grad_scaler(spec: PrecisionSpec, sharded: bool, device_type: str = "cuda"):
+def make_grad_scaler(spec: PrecisionSpec, sharded: bool, device_type: str = "cuda", **kwargs: Any):
     """The scaler fp16 needs (``ShardedGradScaler`` under FSDP), or None when the precision needs none."""
     if not spec.needs_scaler:
         return None
     if sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device=device_type)
-    return torch.amp.GradScaler(device_type)
+        return ShardedGradScaler(device=device_type, **kwargs)
+    return torch.amp.GradScaler(device_type, **kwargs)

@@ -1,0 +1,1 @@
+"""The Hydra side of hydraddp: schemas, composing, validation, instantiation."""

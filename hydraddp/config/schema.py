@@ -1,0 +1,108 @@
+"""Structured-config schemas: the typed shape of every hydraddp-owned group.
+
+Registered in Hydra's ConfigStore as ``hydraddp_schema`` and named first in conf/config.yaml's defaults,
+so a misspelled key or a value of the wrong type fails at compose time, before anything runs. ``model``,
+``optim`` and ``data.dataset`` are ``_target_`` nodes whose keys belong to the classes they build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"
+
+
+@dataclass
+class WrapConfig:
+    name: str = "auto"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # forwarded to the wrapper
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    # Grad scaler settings: fp16 only (the other precisions scale nothing).
+    init_scale: Optional[float] = None
+    growth_interval: Optional[int] = None
+
+
+@dataclass
+class OffloadConfig:
+    name: str = "none"
+
+
+@dataclass
+class LauncherConfig:
+    nproc_per_node: int = 2
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
+    max_restarts: int = 0
+
+
+@dataclass
+class DataConfig:
+    dataset: Any = MISSING
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    seq_len: Optional[int] = None
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Any = MISSING
+    scheduler: Any = None
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 150
+    log_every: int = 10
+    eval_every: int = 50
+    seed: int = 0
+    grad_clip: Optional[float] = 1.0
+    progress: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: Optional[str] = None
+    experiment: str = "hydraddp"
+    run_id: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0
+    dir: Optional[str] = None
+    keep_last: int = 2
+    resume: Optional[str] = None
+    save_last: bool = False
+
+
+@dataclass
+class Config:
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    model: Any = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="hydraddp_schema", node=Config)

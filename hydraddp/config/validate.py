@@ -1,0 +1,84 @@
+"""Whole-combination validation of a composed config, in the main process, before any worker starts.
+
+The rules are the core's (``hydraddp.distributed.compat``); this module maps config keys onto them and
+adds the few that only exist in config (scaler settings, multi-node rendezvous).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from hydraddp.distributed.compat import Problem, check_compatibility
+from hydraddp.distributed.machine import combination, cuda_device_count
+
+# Where each rule's keys live in the config, so messages name what the user types.
+CONFIG_NAMES = {
+    "backend": "backend",
+    "wrap": "wrap",
+    "precision": "precision",
+    "offload": "offload",
+    "sync_bn": "model.sync_bn",
+    "world_size": "launcher.nproc_per_node",
+    "nproc_per_node": "launcher.nproc_per_node",
+    "batch_size": "data.batch_size",
+}
+
+
+SCALER_KEYS = ("init_scale", "growth_interval")
+
+
+def resolve_backend(name: str) -> str:
+    """``backend=auto``: nccl with CUDA, else gloo."""
+    if name != "auto":
+        return name
+    return "nccl" if cuda_device_count() > 0 else "gloo"
+
+
+def world_size(cfg: DictConfig) -> int:
+    if cfg.backend.name == "none":
+        return cfg.launcher.nproc_per_node
+    return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
+
+
+def problems(cfg: DictConfig) -> list[Problem]:
+    """Every problem of the composed ``cfg``, each naming its config keys and the fix."""
+    found: list[Problem] = []
+    backend = resolve_backend(cfg.backend.name)
+    names = dict(CONFIG_NAMES)
+    if cfg.launcher.nnodes > 1:
+        names["world_size"] = "launcher.nproc_per_node x launcher.nnodes"
+    combo = combination(
+        backend=backend,
+        wrap=cfg.wrap.name,
+        precision=cfg.precision.name,
+        offload=cfg.offload.name,
+        sync_bn=bool(cfg.model.get("sync_bn", False)),
+        world_size=world_size(cfg),
+        nproc_per_node=cfg.launcher.nproc_per_node,
+        global_batch_size=cfg.data.batch_size,
+        names=names,
+    )
+    found += check_compatibility(combo)
+    scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
+    if scaler_keys and cfg.precision.name != "fp16":
+        found.append(Problem(
+            ("precision", *(k.split("=")[0] for k in scaler_keys)),
+            f"precision={cfg.precision.name} uses no grad scaler, but {', '.join(scaler_keys)} is set.",
+            "Drop the grad scaler settings, or use precision=fp16 (the only mode that scales gradients).",
+        ))
+    launcher = cfg.launcher
+    if launcher.nproc_per_node < 1 or launcher.nnodes < 1:
+        found.append(Problem(("launcher.nproc_per_node", "launcher.nnodes"),
+                             f"launcher.nproc_per_node={launcher.nproc_per_node} and launcher.nnodes="
+                             f"{launcher.nnodes} must both be at least 1.", "Set them to 1 or more."))
+    if launcher.nnodes > 1 and not launcher.rdzv_endpoint:
+        found.append(Problem(("launcher.nnodes", "launcher.rdzv_endpoint"),
+                             f"launcher.nnodes={launcher.nnodes} needs a rendezvous address every node can reach.",
+                             "Set launcher.rdzv_endpoint=HOST:PORT, the same on every node."))
+    if not 0 <= launcher.node_rank < launcher.nnodes:
+        found.append(Problem(("launcher.node_rank",), f"launcher.node_rank={launcher.node_rank} is not in "
+                             f"[0, launcher.nnodes={launcher.nnodes}).", "Number the nodes 0 .. nnodes-1."))
+    if cfg.trainer.max_steps < 1:
+        found.append(Problem(("trainer.max_steps",), f"trainer.max_steps={cfg.trainer.max_steps} trains nothing.",
+                             "Set trainer.max_steps to 1 or more."))
+    return found

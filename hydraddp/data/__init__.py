@@ -1,0 +1,1 @@
+"""Bundled data sets; nothing is downloaded. Each builder returns ``(train, eval)`` datasets."""

@@ -1,0 +1,55 @@
+"""One launch: the resolved config goes to every rank through ``hydraddp.distributed.Parallel``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+import hydraddp.distributed as idist
+from hydraddp.config.validate import resolve_backend
+
+log = logging.getLogger(__name__)
+
+
+def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str) -> dict[str, Any]:
+    """What every rank runs: the config arrives resolved; it is never composed again here."""
+    from hydraddp.train import train
+    from hydraddp.train.logs import setup_rank_logging
+
+    # Under torchrun every process made its own choice of directory; all of them take rank 0's.
+    job_dir = idist.broadcast(job_dir, src=0) if idist.get_world_size() > 1 else job_dir
+    setup_rank_logging(idist.get_rank(), Path(job_dir))
+    try:
+        return train(OmegaConf.create(plain_cfg), Path(job_dir)).to_dict()
+    except Exception:
+        logging.getLogger(__name__).exception("training failed")
+        raise
+
+
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain data with every interpolation resolved once, here, and ``backend=auto`` decided."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["backend"]["name"] = resolve_backend(cfg.backend.name)
+    return plain
+
+
+def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
+    backend, launcher = plain["backend"]["name"], plain["launcher"]
+    return idist.Parallel(
+        backend=None if backend == "none" else backend,
+        nproc_per_node=launcher["nproc_per_node"],
+        nnodes=launcher["nnodes"],
+        node_rank=launcher["node_rank"],
+        rdzv_endpoint=launcher["rdzv_endpoint"],
+        max_restarts=launcher["max_restarts"],
+    )
+
+
+def launch(cfg: DictConfig, job_dir: Path) -> dict[str, Any]:
+    """Run ``cfg`` on all ranks; returns rank 0's ``TrainResult`` as a dict (or this node's first rank's)."""
+    plain = resolved(cfg)
+    results = parallel_for(plain).run(worker, plain, str(job_dir))
+    return results[min(results)]

@@ -1,0 +1,64 @@
+"""A small decoder-only transformer for character-level text; sizes come from config."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"model.dim={dim} must be a multiple of model.heads={heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``depth`` blocks, a final norm and an untied head; returns logits."""
+
+    fsdp_block_classes = ("GPTBlock",)
+
+    def __init__(self, vocab_size: int = 128, seq_len: int = 64, dim: int = 128, depth: int = 4, heads: int = 4,
+                 mlp_ratio: int = 4):
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok_emb = nn.Embedding(vocab_size, dim)
+        self.pos_emb = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (6 per parameter plus attention), for MFU."""
+        params = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+        dim, depth = self.tok_emb.embedding_dim, len(self.blocks)
+        return 6 * params + 12 * depth * dim * self.seq_len

@@ -1,0 +1,45 @@
+"""The end of a ``-m`` sweep: one table of every job, and exit 1 if any job failed."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def summary_table(outcomes: list[dict[str, Any]]) -> str:
+    header = f"{'#':>2}  {'status':8} {'loss':>8} {'eval acc':>8} {'samples/s':>10}  overrides / error"
+    lines = [header, "-" * len(header)]
+    for num, out in enumerate(outcomes):
+        detail = " ".join(out.get("overrides", []))
+        if out.get("status") != "ok":
+            detail += f"  ({out.get('error', '')})"
+        lines.append(f"{num:>2}  {out.get('status', '?'):8} {_cell(out.get('final_loss'), '8.4f')} "
+                     f"{_cell(out.get('eval_accuracy'), '8.3f')} {_cell(out.get('samples_per_s'), '10.0f')}  {detail}")
+    return "\n".join(lines)
+
+
+class SweepSummary(Callback):
+    def __init__(self) -> None:
+        self.outcomes: list[dict[str, Any]] = []
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.COMPLETED and isinstance(job_return._return_value, dict):
+            self.outcomes.append(job_return._return_value)
+        else:  # the task itself raised: keep the sweep going, show it as failed
+            self.outcomes.append({"status": "failed", "error": repr(job_return._return_value),
+                                  "overrides": list(job_return.overrides or [])})
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.outcomes:
+            return
+        print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
+        if any(out.get("status") != "ok" for out in self.outcomes):
+            sys.exit(1)

@@ -1,0 +1,151 @@
+"""A real training loop: optimizer and scheduler from config, precision, clipping, periodic evaluation."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+
+import hydraddp.distributed as idist
+from hydraddp.build import build_model
+from hydraddp.config.instantiate import instantiate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    world_size: int
+    final_loss: float
+    samples_per_s: float
+    step_time_s: float
+    eval_loss: float | None = None
+    eval_accuracy: float | None = None
+    losses: dict[int, float] = field(default_factory=dict)  # logged step -> loss averaged over ranks
+    reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's WrapReport after step 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _batches(loader) -> Iterator:
+    while True:  # each pass is a new epoch (hydraddp's DataLoader moves the sampler's epoch)
+        yield from loader
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(inputs)
+    flat_logits = logits.flatten(0, -2)
+    return F.cross_entropy(flat_logits, targets.flatten()), flat_logits
+
+
+def _clip(model: nn.Module, max_norm: float) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        model.clip_grad_norm_(max_norm)  # FSDP1's flat shards need its own norm across ranks
+    else:
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DTensor-aware for FSDP2
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, float]:
+    """Mean loss and accuracy over the eval set, summed over every rank's shard."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss, logits = _loss(model, inputs, targets)
+        totals += torch.tensor([loss.item() * targets.numel(), (logits.argmax(-1) == targets.flatten()).sum().item(),
+                                targets.numel()], dtype=torch.float64, device=device)
+    model.train()
+    loss_sum, correct, count = idist.all_reduce(totals).tolist()
+    return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+def _progress(cfg: DictConfig):
+    show = cfg.trainer.progress and idist.get_rank() == 0 and sys.stderr.isatty()
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train(cfg: DictConfig, job_dir: Path | None = None) -> TrainResult:
+    """Train ``cfg`` on this rank; every rank calls it. Returns the same result on every rank."""
+    device, world = idist.device(), idist.get_world_size()
+    model, _ = build_model(cfg)
+    optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(model.parameters()))
+    scheduler = instantiate(cfg.optim.scheduler, "optim.scheduler")(optimizer) if cfg.optim.scheduler else None
+    scaler_settings = {k: cfg.precision[k] for k in ("init_scale", "growth_interval") if cfg.precision.get(k) is not None}
+    scaler = idist.grad_scaler(model, **scaler_settings)
+    train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
+    loader = idist.auto_dataloader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
+                                   num_workers=cfg.data.num_workers, seed=cfg.trainer.seed)
+    eval_loader = idist.auto_dataloader(eval_set, batch_size=cfg.data.eval_batch_size, shuffle=False,
+                                        num_workers=cfg.data.num_workers)
+    trainer = cfg.trainer
+    log.info("training %s steps: wrap=%s precision=%s on %s, world size %d", trainer.max_steps, cfg.wrap.name,
+             cfg.precision.name, device, world)
+
+    result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)
+    progress = _progress(cfg)
+    batches = _batches(loader)
+    window_start, window_steps, window_samples = time.perf_counter(), 0, 0
+    for step in range(1, trainer.max_steps + 1):
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        loss, _ = _loss(model, inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if trainer.grad_clip:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            _clip(model, trainer.grad_clip)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        window_steps += 1
+        window_samples += inputs.shape[0] * world
+        if step == 1:
+            # Grads and optimizer state exist now: the shard sizes are the real ones.
+            result.reports = [r.to_dict() for r in idist.wrap_report(model, optimizer).gather()]
+        if step % trainer.log_every == 0 or step == trainer.max_steps:
+            mean_loss = idist.all_reduce(loss.detach().float().clone(), "AVERAGE").item()
+            elapsed = time.perf_counter() - window_start
+            result.losses[step] = mean_loss
+            result.samples_per_s, result.step_time_s = window_samples / elapsed, elapsed / window_steps
+            if progress is not None:
+                progress.set_postfix(loss=f"{mean_loss:.4f}", samples_per_s=f"{result.samples_per_s:.0f}")
+            log.info("step %d loss %.4f %.0f samples/s", step, mean_loss, result.samples_per_s)
+            window_start, window_steps, window_samples = time.perf_counter(), 0, 0
+        if trainer.eval_every and step % trainer.eval_every == 0 and step != trainer.max_steps:
+            eval_loss, eval_accuracy = evaluate(model, eval_loader, device)
+            log.info("step %d eval loss %.4f accuracy %.3f", step, eval_loss, eval_accuracy)
+        if progress is not None:
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    result.steps, result.final_loss = trainer.max_steps, result.losses[trainer.max_steps]
+    result.eval_loss, result.eval_accuracy = evaluate(model, eval_loader, device)
+    log.info("done: loss %.4f, eval loss %.4f, eval accuracy %.3f", result.final_loss, result.eval_loss,
+             result.eval_accuracy)
+    return result
