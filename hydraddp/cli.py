@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from hydraddp.config.overrides import normalize_overrides
 from hydraddp.distributed.env import detect_launch_env
 
 EXIT_OK, EXIT_WORKER_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -27,21 +28,26 @@ def prepare_argv(argv: list[str]) -> list[str]:
 
     - ``--local_rank=N`` / ``--local-rank=N`` (torch.distributed.launch) is dropped: the rank is in the env.
     - Ranks other than 0 under torchrun/SLURM write no job directory of their own; they adopt rank 0's.
+    - ``experiment=NAME`` is spelled as Hydra needs it (see ``normalize_overrides``).
     """
-    argv = [a for a in argv if not re.fullmatch(r"--local[_-]rank(=\d+)?", a)]
+    argv = normalize_overrides([a for a in argv if not re.fullmatch(r"--local[_-]rank(=\d+)?", a)])
     launch = detect_launch_env()
     if launch is not None and launch.rank != 0:
         argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
     return argv
 
 
+def _remove_if_unused(job_dir: Path) -> None:
+    """Remove a job directory that holds nothing but Hydra's own copy of the config."""
+    if job_dir.is_dir() and all(p.name == ".hydra" for p in job_dir.iterdir()):
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
 def _report_problems(problems: list, job_dir: Path) -> None:
     print("hydraddp: invalid configuration; nothing was started:", file=sys.stderr)
     for problem in problems:
         print(f"- {problem}", file=sys.stderr)
-    # The job directory Hydra made holds only its own copy of the config: no half-written run is left.
-    if job_dir.is_dir() and all(p.name == ".hydra" for p in job_dir.iterdir()):
-        shutil.rmtree(job_dir, ignore_errors=True)
+    _remove_if_unused(job_dir)  # no half-written run is left behind
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -66,15 +72,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydraddp.launch import launch
 
     try:
-        result = launch(cfg, job_dir)
+        rank, result = launch(cfg, job_dir)
     except WorkerFailedError as exc:
         print(f"hydraddp: {exc}. Logs: {job_dir / 'logs'}", file=sys.stderr)
         if not sweeping:
             sys.exit(EXIT_WORKER_FAILED)
         return {**outcome, "status": "failed", "error": str(exc)}
-    print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
-          f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
-          f"{result['samples_per_s']:.0f} samples/s. Job directory: {job_dir}", flush=True)
+    if result["job_dir"] != str(job_dir):
+        _remove_if_unused(job_dir)  # this node's ranks logged into rank 0's job directory instead
+    if rank == 0:  # under torchrun every rank gets here; one report is enough
+        print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
+              f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
+              f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}", flush=True)
     return {**outcome, "status": "ok", **result}
 
 

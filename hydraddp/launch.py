@@ -23,7 +23,7 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str) -> dict[str
     job_dir = idist.broadcast(job_dir, src=0) if idist.get_world_size() > 1 else job_dir
     setup_rank_logging(idist.get_rank(), Path(job_dir))
     try:
-        return train(OmegaConf.create(plain_cfg), Path(job_dir)).to_dict()
+        return {**train(OmegaConf.create(plain_cfg), Path(job_dir)).to_dict(), "job_dir": job_dir}
     except Exception:
         logging.getLogger(__name__).exception("training failed")
         raise
@@ -48,8 +48,10 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     )
 
 
-def launch(cfg: DictConfig, job_dir: Path) -> dict[str, Any]:
-    """Run ``cfg`` on all ranks; returns rank 0's ``TrainResult`` as a dict (or this node's first rank's)."""
+def launch(cfg: DictConfig, job_dir: Path) -> tuple[int, dict[str, Any]]:
+    """Run ``cfg`` on all ranks. Returns the lowest global rank this process saw (0 when it spawned the
+    workers or is rank 0 under torchrun) and that rank's ``TrainResult`` as a dict."""
     plain = resolved(cfg)
     results = parallel_for(plain).run(worker, plain, str(job_dir))
-    return results[min(results)]
+    rank = min(results)
+    return rank, results[rank]

@@ -10,8 +10,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
-def _cell(value: Any, fmt: str) -> str:
-    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+def _cell(value: Any, width: int, precision: int) -> str:
+    return f"{value:{width}.{precision}f}" if isinstance(value, (int, float)) else "-".rjust(width)
 
 
 def summary_table(outcomes: list[dict[str, Any]]) -> str:
@@ -21,8 +21,8 @@ def summary_table(outcomes: list[dict[str, Any]]) -> str:
         detail = " ".join(out.get("overrides", []))
         if out.get("status") != "ok":
             detail += f"  ({out.get('error', '')})"
-        lines.append(f"{num:>2}  {out.get('status', '?'):8} {_cell(out.get('final_loss'), '8.4f')} "
-                     f"{_cell(out.get('eval_accuracy'), '8.3f')} {_cell(out.get('samples_per_s'), '10.0f')}  {detail}")
+        lines.append(f"{num:>2}  {out.get('status', '?'):8} {_cell(out.get('final_loss'), 8, 4)} "
+                     f"{_cell(out.get('eval_accuracy'), 8, 3)} {_cell(out.get('samples_per_s'), 10, 0)}  {detail}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig
 
+from hydraddp.config.overrides import normalize_overrides
 from hydraddp.config.schema import register
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -21,4 +22,5 @@ def compose(overrides: list[str] | None = None, return_hydra_config: bool = Fals
     """
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose("config", overrides=overrides or [], return_hydra_config=return_hydra_config)
+        return hydra_compose("config", overrides=normalize_overrides(overrides or []),
+                             return_hydra_config=return_hydra_config)

@@ -51,7 +51,9 @@ class _Entry:
             torch.set_num_threads(int(threads))  # the env var alone can arrive after torch set its pool up
         api.initialize(self.backend, **self.init_kwargs)
         try:
-            return self.fn(api.get_local_rank(), *self.args, **self.kwargs)
+            result = self.fn(api.get_local_rank(), *self.args, **self.kwargs)
+            api.barrier()  # nobody tears the group down while a peer still talks to it
+            return result
         except BaseException as exc:
             self._record_failure(exc)
             raise
@@ -205,7 +207,10 @@ class Parallel:
         if owns:
             api.initialize(self.backend, **self.init_kwargs)
         try:
-            return {api.get_rank(): fn(api.get_local_rank(), *args, **kwargs)}
+            result = {api.get_rank(): fn(api.get_local_rank(), *args, **kwargs)}
+            if owns:
+                api.barrier()  # as in spawned workers: no teardown while a peer still talks
+            return result
         finally:
             if owns:
                 api.finalize()

@@ -103,3 +103,14 @@ def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo",
     if "failure" in outcome:
         raise AssertionError(f"worker failed: {outcome['failure']}\nstderr:\n{launched.stderr[-6000:]}")
     return outcome["results"]
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> Launched:
+    """``python -m hydraddp *args`` in ``cwd`` (where its outputs/ go), with the no-orphan check."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return run_process([sys.executable, "-m", "hydraddp", *args], timeout=timeout, env=env, cwd=cwd)
+
+
+def job_dirs(root: Path) -> list[Path]:
+    """The job directories a single run left under ``root/outputs`` (one per launch)."""
+    return sorted(p.parent for p in root.glob("outputs/*/*/.hydra"))

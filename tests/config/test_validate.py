@@ -1,0 +1,47 @@
+"""Bad combinations are refused by the CLI before any worker starts: exit 2, every key named, no traceback,
+no process, no job directory left, in under 2 s."""
+
+import time
+
+import pytest
+
+from tests.helpers.spawn import job_dirs, run_cli
+
+CASES = [
+    (["backend=nccl"], ["backend=nccl needs CUDA GPUs", "Use backend=gloo"]),
+    (["offload=cpu", "wrap=fsdp2"], ["offload=cpu moves FSDP parameters", "Set offload=none"]),
+    (["offload=cpu", "wrap=ddp"], ["offload=cpu only applies to FSDP, but wrap=ddp"]),
+    (["precision=fp16"], ["precision=fp16 needs CUDA", "precision=bf16"]),
+    (["wrap=dp"], ["wrap=dp is single-process DataParallel, but launcher.nproc_per_node=2"]),
+    (["backend=horovod", "wrap=fsdp2"], ["wrap=fsdp2 cannot run under backend=horovod"]),
+    (["backend=none"], ["backend=none runs one process", "launcher.nproc_per_node=2", "launcher.nproc_per_node=1"]),
+    (["model.sync_bn=true", "wrap=fsdp2"], ["sync_bn=true needs GPUs", "model.sync_bn=false"]),
+    (["data.batch_size=63"], ["data.batch_size=63 is the global batch", "(63 / 2 = 31.5)", "data.batch_size=64"]),
+    (["precision=bf16-true", "precision.init_scale=1024"], ["precision=bf16-true uses no grad scaler",
+                                                            "precision.init_scale=1024.0"]),
+    (["launcher.nnodes=2"], ["launcher.rdzv_endpoint=HOST:PORT"]),
+    (["wrap=zero3"], ["Could not find 'wrap/zero3'", "fsdp2", "python -m hydraddp --help"]),
+    (["precision=fp8"], ["Could not find 'precision/fp8'", "bf16-true"]),
+    (["trainer.max_stpes=3"], ["Key 'max_stpes' not in 'TrainerConfig'"]),
+    (["launcher.nproc_per_node=two"], ["Value 'two' of type 'str' could not be converted to Integer"]),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_combination_is_refused_before_anything_starts(tmp_path, overrides, expected):
+    start = time.monotonic()
+    done = run_cli(*overrides, cwd=tmp_path, timeout=60)  # the helper also checks that no process is left
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stderr
+    for text in expected:
+        assert text in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "[rank" not in done.stderr + done.stdout  # no worker ever logged
+    assert job_dirs(tmp_path) == [] and not (tmp_path / "mlflow.db").exists()
+    assert elapsed < 2.0, f"took {elapsed:.2f}s"
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    done = run_cli("backend=nccl", "precision=fp16", "data.batch_size=63", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert len([line for line in done.stderr.splitlines() if line.startswith("- ")]) == 3

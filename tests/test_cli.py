@@ -1,0 +1,151 @@
+"""python -m hydraddp end to end: real 2-process trainings, one job directory each, torchrun attach,
+two nodes on loopback, sweeps, Hydra's own flags, and the contract's exit codes."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from hydraddp.distributed.env import free_port
+from tests.helpers.spawn import REPO, assert_no_orphans, child_env, job_dirs, run_cli, run_process
+
+QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
+DONE = re.compile(r"hydraddp: done\. (\d+) steps at world size (\d+): loss ([\d.]+)")
+
+
+def finished(output: str) -> tuple[int, int, float]:
+    match = DONE.search(output)
+    assert match, output[-3000:]
+    return int(match[1]), int(match[2]), float(match[3])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "fsdp2"])
+def test_two_process_training_leaves_one_job_directory(tmp_path, wrap, precision):
+    done = run_cli(f"wrap={wrap}", f"precision={precision}", *QUICK, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps, world, loss = finished(done.stdout)
+    assert (steps, world) == (12, 2) and loss < 2.3  # log(10) = 2.30 is where an untrained classifier starts
+    [job] = job_dirs(tmp_path)
+    assert sorted(p.name for p in (job / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert f"auto_model: wrap={wrap} precision={precision}" in (job / "logs" / "rank1.log").read_text()
+    saved = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
+    assert (saved["wrap"]["name"], saved["precision"]["name"]) == (wrap, precision)
+
+
+def test_the_same_seed_gives_the_same_training(tmp_path):
+    losses = [finished(run_cli(*QUICK, "trainer.seed=3", cwd=tmp_path / str(i)).stdout)[2] for i in range(2)]
+    assert losses[0] == losses[1]
+
+
+def test_gpt_experiment_shards_its_blocks(tmp_path):
+    done = run_cli("experiment=gpt_fsdp2", "trainer.max_steps=4", "trainer.eval_every=0", "model.depth=2",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [job] = job_dirs(tmp_path)
+    assert "auto_model: wrap=fsdp2 precision=bf16" in (job / "logs" / "rank0.log").read_text()
+
+
+def test_under_torchrun_it_attaches_with_one_job_directory(tmp_path):
+    done = run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", "-m", "hydraddp", *QUICK], cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert finished(done.stdout)[:2] == (12, 2)
+    assert done.stdout.count("hydraddp: done.") == 1  # one report, from rank 0
+    [job] = job_dirs(tmp_path)
+    assert sorted(p.name for p in (job / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+
+
+def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
+    endpoint, token = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={rank}",
+                          "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *QUICK],
+                         cwd=tmp_path / f"node{rank}", env=child_env(token), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+        assert_no_orphans(token)
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    # One training of world size 2, one job directory: node 0's, where both ranks log the same global losses.
+    assert finished(outputs[0][0])[:2] == (12, 2)
+    [job] = job_dirs(tmp_path / "node0")
+    assert job_dirs(tmp_path / "node1") == []
+    logs = [(job / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert re.findall(r"step 12 loss ([\d.]+)", logs[0]) == re.findall(r"step 12 loss ([\d.]+)", logs[1]) != []
+
+
+def test_multirun_of_2x2_jobs_completes_with_a_summary(tmp_path):
+    done = run_cli("-m", "wrap=ddp,fsdp2", "precision=fp32,bf16", *QUICK, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("hydraddp: done.") == 4
+    table = done.stdout.split("hydraddp sweep summary", 1)[1]
+    assert len(re.findall(r"^\s*\d+\s+ok\s", table, re.M)) == 4
+    assert len(list(tmp_path.glob("multirun/*/*/*/.hydra"))) == 4
+
+
+def test_a_broken_job_does_not_stop_the_sweep(tmp_path):
+    # Job 1 is invalid (63 does not split over 2 ranks); job 2's worker raises (a negative learning rate).
+    done = run_cli("-m", "data.batch_size=64,63", "optim.optimizer.lr=0.003,-1", *QUICK, cwd=tmp_path, timeout=300)
+    assert done.returncode == 1
+    table = done.stdout.split("hydraddp sweep summary", 1)[1]
+    statuses = re.findall(r"^\s*\d+\s+(\w+)\s", table, re.M)
+    assert statuses == ["ok", "failed", "invalid", "invalid"]
+    assert re.search(r"rank \d failed: ValueError: Invalid learning rate: -1", table)
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    done = run_cli("wrap=fsdp2", "precision=bf16", "--cfg", "job", cwd=tmp_path, timeout=60)
+    assert done.returncode == 0
+    printed = yaml.safe_load(done.stdout)
+    assert (printed["wrap"]["name"], printed["precision"]["name"], printed["launcher"]["nproc_per_node"]) == \
+        ("fsdp2", "bf16", 2)
+    assert job_dirs(tmp_path) == []
+
+
+def test_help_lists_every_group_and_its_options(tmp_path):
+    done = run_cli("--help", cwd=tmp_path, timeout=60)
+    assert done.returncode == 0
+    assert "wrap: auto, ddp, dp, fsdp, fsdp2, none" in done.stdout
+    assert "precision: bf16, bf16-true, fp16, fp32" in done.stdout
+    assert "backend: auto, gloo, horovod, mpi, nccl, none" in done.stdout
+    assert "offload: cpu, none" in done.stdout
+    assert "experiment: gpt_fsdp2, quick, wrap_sweep" in done.stdout
+
+
+def test_a_failing_worker_exits_1_naming_the_rank(tmp_path):
+    done = run_cli("optim.optimizer.lr=-1", *QUICK, cwd=tmp_path)
+    assert done.returncode == 1
+    assert re.search(r"hydraddp: rank \d failed: ValueError: Invalid learning rate: -1", done.stderr)
+
+
+def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=1"],
+                            cwd=tmp_path, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not list(tmp_path.glob("outputs/*/*/logs/rank1.log")) or "step 1 " not in \
+                next(tmp_path.glob("outputs/*/*/logs/rank1.log")).read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted; every worker was stopped" in err
+    assert_no_orphans(token)
