@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything from nothing (a venv with torch pinned, hydraddp editable), then run.
-#   bash scripts/dev.sh run  [args]         # the default experiment: 2 CPU processes
+#   bash scripts/dev.sh run  [overrides]    # python -m hydraddp: the default experiment, 2 CPU processes
 #   bash scripts/dev.sh test [pytest args]  # the test suite
 # Setup runs once per pyproject.toml version; later calls go straight to the command.
 set -euo pipefail
@@ -28,6 +28,6 @@ if [ ! -f "$stamp" ]; then
 fi
 
 case "$command" in
-  run) exec "$VENV/bin/python" -m hydraddp.demo "$@" ;;
+  run) exec "$VENV/bin/python" -m hydraddp "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
 esac
