@@ -50,18 +50,34 @@ def _report_problems(problems: list, job_dir: Path) -> None:
     _remove_if_unused(job_dir)  # no half-written run is left behind
 
 
+def _tracks_here(cfg: DictConfig) -> bool:
+    """The launch's one MLflow run lives in rank 0's process under torchrun, else in node 0's launcher."""
+    launch = detect_launch_env()
+    return cfg.tracking.enabled and (launch.rank == 0 if launch is not None else cfg.launcher.node_rank == 0)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Validate ``cfg`` and launch it. In a single run, exits with the contract's code; in a sweep, returns
     the job's outcome (the sweep goes on after a failed job) for the summary table."""
-    from hydraddp.config.validate import problems
+    from hydraddp.config.validate import combination_of, problems
+    from hydraddp.distributed.compat import Problem, resolve_wrap
 
     _state["task_started"] = True
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    outcome: dict[str, Any] = {"job_dir": str(job_dir), "overrides": list(hydra_cfg.overrides.task)}
+    overrides = list(hydra_cfg.overrides.task)
+    outcome: dict[str, Any] = {"job_dir": str(job_dir), "overrides": overrides}
 
     found = problems(cfg)
+    tracks = _tracks_here(cfg)
+    if tracks and not found:
+        from hydraddp.tracking.setup import preflight, tracking_uri
+
+        unreachable = preflight(tracking_uri(cfg))
+        if unreachable:
+            found.append(Problem(("tracking.uri",), f"tracking.uri: {unreachable}.",
+                                 "Start the server, point tracking.uri at a running one, or set tracking.enabled=false."))
     if found:
         _report_problems(found, job_dir)
         if not sweeping:
@@ -69,21 +85,38 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return {**outcome, "status": "invalid", "error": str(found[0])}
 
     from hydraddp.distributed import WorkerFailedError
-    from hydraddp.launch import launch
+    from hydraddp.launch import launch, resolved
 
+    tracker = None
+    if tracks:
+        from hydraddp.tracking.run import FAILED, FINISHED, KILLED
+        from hydraddp.tracking.setup import launch_run
+
+        combo = combination_of(cfg)
+        tracker = launch_run(cfg, resolved(cfg), job_dir, overrides, resolve_wrap(combo), combo.world_size)
+        tracker.start()  # mlflow imports and the run is created while the workers start
+    events_path = tracker.events_path if tracker else None
     try:
-        rank, result = launch(cfg, job_dir)
+        rank, result = launch(cfg, job_dir, events_path)
     except WorkerFailedError as exc:
+        if tracker:
+            tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}")
         print(f"hydraddp: {exc}. Logs: {job_dir / 'logs'}", file=sys.stderr)
         if not sweeping:
             sys.exit(EXIT_WORKER_FAILED)
-        return {**outcome, "status": "failed", "error": str(exc)}
-    if result["job_dir"] != str(job_dir):
-        _remove_if_unused(job_dir)  # this node's ranks logged into rank 0's job directory instead
+        return {**outcome, "status": "failed", "error": str(exc), "run_id": tracker.run_id if tracker else None}
+    except BaseException as exc:
+        if tracker:
+            tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc))
+        raise
+    if tracker:
+        tracker.finish(FINISHED)
+        result["run_id"] = tracker.run_id
     if rank == 0:  # under torchrun every rank gets here; one report is enough
+        run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
               f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
-              f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}", flush=True)
+              f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}.{run}", flush=True)
     return {**outcome, "status": "ok", **result}
 
 

@@ -14,19 +14,29 @@ from hydraddp.config.validate import resolve_backend
 log = logging.getLogger(__name__)
 
 
-def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str) -> dict[str, Any]:
-    """What every rank runs: the config arrives resolved; it is never composed again here."""
+def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path: str | None,
+           attached: bool) -> dict[str, Any]:
+    """What every rank runs: the config arrives resolved; it is never composed again here.
+
+    ``events_path`` is where the tracker reads MLflow events; local rank 0 of the node that tracks writes them.
+    """
+    from hydraddp.tracking.events import EventWriter
     from hydraddp.train import train
     from hydraddp.train.logs import setup_rank_logging
 
-    # Under torchrun every process made its own choice of directory; all of them take rank 0's.
-    job_dir = idist.broadcast(job_dir, src=0) if idist.get_world_size() > 1 else job_dir
+    if attached and idist.get_world_size() > 1:
+        # Under torchrun every process made its own choice of directory; all of them take rank 0's.
+        job_dir = idist.broadcast(job_dir, src=0)
     setup_rank_logging(idist.get_rank(), Path(job_dir))
+    events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None
     try:
-        return {**train(OmegaConf.create(plain_cfg), Path(job_dir)).to_dict(), "job_dir": job_dir}
+        return {**train(OmegaConf.create(plain_cfg), Path(job_dir), events).to_dict(), "job_dir": job_dir}
     except Exception:
         logging.getLogger(__name__).exception("training failed")
         raise
+    finally:
+        if events is not None:
+            events.close()
 
 
 def resolved(cfg: DictConfig) -> dict[str, Any]:
@@ -48,10 +58,11 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     )
 
 
-def launch(cfg: DictConfig, job_dir: Path) -> tuple[int, dict[str, Any]]:
+def launch(cfg: DictConfig, job_dir: Path, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
     """Run ``cfg`` on all ranks. Returns the lowest global rank this process saw (0 when it spawned the
     workers or is rank 0 under torchrun) and that rank's ``TrainResult`` as a dict."""
     plain = resolved(cfg)
-    results = parallel_for(plain).run(worker, plain, str(job_dir))
+    parallel = parallel_for(plain)
+    results = parallel.run(worker, plain, str(job_dir), str(events_path) if events_path else None, not parallel.spawns)
     rank = min(results)
     return rank, results[rank]

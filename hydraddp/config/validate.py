@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from hydraddp.distributed.compat import Problem, check_compatibility
+from hydraddp.distributed.compat import Combination, Problem, check_compatibility
 from hydraddp.distributed.machine import combination, cuda_device_count
 
 # Where each rule's keys live in the config, so messages name what the user types.
@@ -40,15 +40,13 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
 
 
-def problems(cfg: DictConfig) -> list[Problem]:
-    """Every problem of the composed ``cfg``, each naming its config keys and the fix."""
-    found: list[Problem] = []
-    backend = resolve_backend(cfg.backend.name)
+def combination_of(cfg: DictConfig) -> Combination:
+    """The core's view of ``cfg``, with this machine's facts, for its rules and for ``resolve_wrap``."""
     names = dict(CONFIG_NAMES)
     if cfg.launcher.nnodes > 1:
         names["world_size"] = "launcher.nproc_per_node x launcher.nnodes"
-    combo = combination(
-        backend=backend,
+    return combination(
+        backend=resolve_backend(cfg.backend.name),
         wrap=cfg.wrap.name,
         precision=cfg.precision.name,
         offload=cfg.offload.name,
@@ -58,7 +56,11 @@ def problems(cfg: DictConfig) -> list[Problem]:
         global_batch_size=cfg.data.batch_size,
         names=names,
     )
-    found += check_compatibility(combo)
+
+
+def problems(cfg: DictConfig) -> list[Problem]:
+    """Every problem of the composed ``cfg``, each naming its config keys and the fix."""
+    found = check_compatibility(combination_of(cfg))
     scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
     if scaler_keys and cfg.precision.name != "fp16":
         found.append(Problem(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from torch.nn import functional as F
 import hydraddp.distributed as idist
 from hydraddp.build import build_model
 from hydraddp.config.instantiate import instantiate
+from hydraddp.tracking import names
+from hydraddp.tracking.events import EventWriter, write_report
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,30 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, flo
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
+# Dense bf16 peak FLOP/s per device, for MFU; devices not listed report none rather than a guess.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA's max_memory_allocated on GPU; the process's peak RSS on CPU (ru_maxrss is in KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _flops_per_token(model: nn.Module) -> float | None:
+    inner = getattr(model, "module", model)  # DDP / DataParallel hold the model as .module
+    fn = getattr(inner, "flops_per_token", None)
+    return fn() if callable(fn) else None
+
+
 def _progress(cfg: DictConfig):
     show = cfg.trainer.progress and idist.get_rank() == 0 and sys.stderr.isatty()
     if not show:
@@ -82,10 +109,14 @@ def _progress(cfg: DictConfig):
     return tqdm(total=cfg.trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
 
 
-def train(cfg: DictConfig, job_dir: Path | None = None) -> TrainResult:
-    """Train ``cfg`` on this rank; every rank calls it. Returns the same result on every rank."""
+def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | None = None) -> TrainResult:
+    """Train ``cfg`` on this rank; every rank calls it. Returns the same result on every rank.
+
+    ``events`` (on the one rank that writes them) receives the MLflow metrics as they happen.
+    """
     device, world = idist.device(), idist.get_world_size()
     model, _ = build_model(cfg)
+    flops_per_token, device_flops = _flops_per_token(model), peak_flops(device)
     optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(model.parameters()))
     scheduler = instantiate(cfg.optim.scheduler, "optim.scheduler")(optimizer) if cfg.optim.scheduler else None
     scaler_settings = {k: cfg.precision[k] for k in ("init_scale", "growth_interval") if cfg.precision.get(k) is not None}
@@ -128,11 +159,22 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> TrainResult:
         if step == 1:
             # Grads and optimizer state exist now: the shard sizes are the real ones.
             result.reports = [r.to_dict() for r in idist.wrap_report(model, optimizer).gather()]
+            if events is not None:
+                events.metrics(names.sharding_metrics(result.reports), step)
+                if job_dir is not None:
+                    write_report(job_dir, result.reports)
         if step % trainer.log_every == 0 or step == trainer.max_steps:
             mean_loss = idist.all_reduce(loss.detach().float().clone(), "AVERAGE").item()
             elapsed = time.perf_counter() - window_start
             result.losses[step] = mean_loss
             result.samples_per_s, result.step_time_s = window_samples / elapsed, elapsed / window_steps
+            if events is not None:
+                metrics = {names.LOSS: mean_loss, names.SAMPLES_PER_S: result.samples_per_s,
+                           names.STEP_TIME_S: result.step_time_s}
+                if flops_per_token and device_flops and inputs.dim() > 1:
+                    tokens_per_s = result.samples_per_s * inputs.shape[1]
+                    metrics[names.MFU] = flops_per_token * tokens_per_s / (device_flops * world)
+                events.metrics(metrics, step)
             if progress is not None:
                 progress.set_postfix(loss=f"{mean_loss:.4f}", samples_per_s=f"{result.samples_per_s:.0f}")
             log.info("step %d loss %.4f %.0f samples/s", step, mean_loss, result.samples_per_s)
@@ -140,12 +182,18 @@ def train(cfg: DictConfig, job_dir: Path | None = None) -> TrainResult:
         if trainer.eval_every and step % trainer.eval_every == 0 and step != trainer.max_steps:
             eval_loss, eval_accuracy = evaluate(model, eval_loader, device)
             log.info("step %d eval loss %.4f accuracy %.3f", step, eval_loss, eval_accuracy)
+            if events is not None:
+                events.metrics({names.EVAL_LOSS: eval_loss, names.EVAL_ACCURACY: eval_accuracy}, step)
         if progress is not None:
             progress.update(1)
     if progress is not None:
         progress.close()
     result.steps, result.final_loss = trainer.max_steps, result.losses[trainer.max_steps]
     result.eval_loss, result.eval_accuracy = evaluate(model, eval_loader, device)
+    peaks = idist.all_gather(peak_memory_bytes(device))
+    if events is not None:
+        events.metrics({names.EVAL_LOSS: result.eval_loss, names.EVAL_ACCURACY: result.eval_accuracy,
+                        **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, trainer.max_steps)
     log.info("done: loss %.4f, eval loss %.4f, eval accuracy %.3f", result.final_loss, result.eval_loss,
              result.eval_accuracy)
     return result

@@ -1,0 +1,83 @@
+"""The MLflow names of the contract, and the flattening, redaction and truncation of params (no mlflow here)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable
+from typing import Any
+
+TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SIZE = (
+    "hydraddp.backend", "hydraddp.wrap", "hydraddp.precision", "hydraddp.offload", "hydraddp.world_size")
+TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
+TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
+TAG_PARENT = "mlflow.parentRunId"
+
+LOSS, SAMPLES_PER_S, STEP_TIME_S, MFU = "train/loss", "perf/samples_per_s", "perf/step_time_s", "perf/mfu"
+EVAL_LOSS, EVAL_ACCURACY = "eval/loss", "eval/accuracy"
+SHARDING_FIELDS = ("param_numel", "param_bytes", "grad_bytes", "optim_state_bytes")
+PEAK_MEMORY = "memory/peak_bytes"
+AGGREGATES = ("max", "min", "mean")
+
+REDACTED = "***redacted***"
+TRUNCATED = "...[truncated; full value in config.yaml]"
+MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+SECRET_KEY = re.compile(r"pass(word|wd)?|token|secret|api[_-]?key|credential|private[_-]?key", re.I)
+ENV_INTERPOLATION = re.compile(r"\$\{oc\.env:")
+
+
+def per_rank_metrics(base: str, values: list[float]) -> dict[str, float]:
+    """``base/rank{r}`` for every rank plus ``base/max``, ``/min`` and ``/mean``."""
+    metrics = {f"{base}/rank{rank}": float(v) for rank, v in enumerate(values)}
+    metrics.update({f"{base}/max": float(max(values)), f"{base}/min": float(min(values)),
+                    f"{base}/mean": float(sum(values) / len(values))})
+    return metrics
+
+
+def sharding_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """The contract's ``sharding/*`` metrics from every rank's WrapReport (numel is the local shard's)."""
+    metrics: dict[str, float] = {}
+    for name in SHARDING_FIELDS:
+        key = "local_numel" if name == "param_numel" else name
+        metrics.update(per_rank_metrics(f"sharding/{name}", [r[key] for r in reports]))
+    return metrics
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay whole values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def secret_paths(unresolved: dict[str, Any]) -> set[str]:
+    """Dotted keys whose value comes from ``${oc.env:...}`` or whose name looks like a password/token/secret."""
+    return {key for key, value in flatten(unresolved).items()
+            if (isinstance(value, str) and ENV_INTERPOLATION.search(value)) or SECRET_KEY.search(key.split(".")[-1])}
+
+
+def redact(resolved: dict[str, Any], secrets: Iterable[str]) -> dict[str, Any]:
+    """A deep copy of ``resolved`` with every secret path's value replaced by a marker."""
+    out = copy.deepcopy(resolved)
+    for path in secrets:
+        *parents, leaf = path.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = REDACTED
+    return out
+
+
+def params(resolved_redacted: dict[str, Any]) -> dict[str, str]:
+    """MLflow params: flattened, stringified, each cut to MLflow's limit with a marker."""
+    out = {}
+    for key, value in flatten(resolved_redacted).items():
+        text = str(value)
+        if len(text) > MAX_PARAM_LENGTH:
+            text = text[: MAX_PARAM_LENGTH - len(TRUNCATED)] + TRUNCATED
+        out[key] = text
+    return out

@@ -1,0 +1,210 @@
+"""One MLflow run per launch, driven from the launching process (or rank 0 under torchrun).
+
+``preflight`` checks the server without importing mlflow, before any worker starts. ``start`` imports
+mlflow and creates (or continues) the run in a background thread while the workers start, then tails
+the events file into the run in batches. ``finish`` flushes what is left, uploads the artifacts and sets
+the status the launch really ended with. A server that goes away is retried; if it never comes back the
+events stay in the job directory with the command that imports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hydraddp.tracking import names
+from hydraddp.tracking.events import EVENTS_FILE, read_events
+
+log = logging.getLogger(__name__)
+RUN_ID_FILE = "mlflow_run_id"
+SENT_OFFSET_FILE = "events.sent"
+BATCH = 1000  # MLflow's limit of metrics per log_batch
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+
+
+def default_uri(cwd: Path | None = None) -> str:
+    return f"sqlite:///{(cwd or Path.cwd()).resolve() / 'mlflow.db'}"
+
+
+def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why ``uri`` cannot be used, or None. HTTP servers must answer /health; files must be writable."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+                if response.status == 200:
+                    return None
+                return f"the MLflow server at {uri} answered /health with HTTP {response.status}"
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            return f"the MLflow server at {uri} cannot be reached ({reason})"
+    path = uri.removeprefix("sqlite:///").removeprefix("file://") if uri.startswith(("sqlite:///", "file://")) else None
+    if path is not None:
+        folder = Path(path).parent if uri.startswith("sqlite:") else Path(path)
+        while not folder.exists():
+            folder = folder.parent
+        if not os.access(folder, os.W_OK):
+            return f"the MLflow store {uri} is not writable ({folder})"
+    return None
+
+
+def _client(uri: str):
+    # We retry ourselves (the events file keeps every point); mlflow's own backoff would stall for minutes.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+class LaunchRun:
+    """The MLflow run of one launch.
+
+    ``config`` is the resolved config with secrets redacted; ``tags`` the contract's tags.
+    """
+
+    def __init__(self, uri: str, experiment: str, job_dir: Path, config: dict[str, Any], overrides: list[str],
+                 tags: dict[str, str], run_id: str | None = None, run_name: str | None = None):
+        self.uri, self.experiment, self.job_dir = uri, experiment, Path(job_dir)
+        self.config, self.overrides, self.tags = config, overrides, tags
+        self.run_id, self.run_name = run_id, run_name
+        self.events_path = self.job_dir / EVENTS_FILE
+        self._offset_path = self.job_dir / SENT_OFFSET_FILE
+        # How far into the events file MLflow already has everything: a point is never sent twice.
+        self._offset = int(self._offset_path.read_text()) if self._offset_path.exists() else 0
+        self._sent = 0
+        self._created = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+
+    # -- the background thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hydraddp-mlflow", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        delay = 0.5
+        while not self._created.is_set():
+            try:
+                self._create()
+            except Exception as exc:  # the server may be restarting: keep trying until the launch ends
+                log.warning("MLflow run not created yet (%s); retrying", exc)
+                if self._stop.wait(delay):
+                    return
+                delay = min(delay * 2, 5.0)
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                drained = self._send_pending()
+            except Exception as exc:
+                log.warning("MLflow at %s unavailable (%s); %d points wait in %s", self.uri, exc,
+                            self._pending_count(), self.events_path)
+                drained = False
+                if self._stop.wait(delay):
+                    return
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.5
+            if stopping and drained:
+                return
+            self._stop.wait(0.5)
+
+    def _create(self) -> None:
+        client = self._client or _client(self.uri)
+        self._client = client
+        if self.run_id:  # continue an existing run (tracking.run_id=..., or a resume)
+            client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = client.get_experiment_by_name(self.experiment)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment)
+            self.run_id = client.create_run(experiment_id, tags=self.tags, run_name=self.run_name).info.run_id
+        from mlflow.entities import Param, RunTag
+
+        flat = sorted(names.params(self.config).items())
+        existing = client.get_run(self.run_id).data.params
+        for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per batch
+            chunk = [Param(k, v) for k, v in flat[i:i + 100] if k not in existing]
+            client.log_batch(self.run_id, params=chunk, tags=[RunTag(k, v) for k, v in self.tags.items()] if i == 0 else [])
+        client.log_text(self.run_id, yaml.safe_dump(self.config, sort_keys=False), "config.yaml")
+        client.log_text(self.run_id, yaml.safe_dump(self.overrides), "overrides.yaml")
+        (self.job_dir / RUN_ID_FILE).write_text(self.run_id)
+        self._created.set()
+        log.info("MLflow run %s at %s", self.run_id, self.uri)
+
+    def _pending_count(self) -> int:
+        events, _ = read_events(self.events_path, self._offset)
+        return sum(1 for e in events if "metric" in e)
+
+    def _send_pending(self) -> bool:
+        """Send what the file holds past our offset, in batches; True when nothing was left."""
+        from mlflow.entities import Metric, RunTag
+
+        events, end = read_events(self.events_path, self._offset)
+        if not events:
+            return True
+        metrics = [Metric(e["metric"], e["value"], e["ts"], e["step"]) for e in events if "metric" in e]
+        tags = [RunTag(e["tag"], e["value"]) for e in events if "tag" in e]
+        for i in range(0, max(len(metrics), 1), BATCH):
+            self._client.log_batch(self.run_id, metrics=metrics[i:i + BATCH], tags=tags if i == 0 else [])
+        self._offset, self._sent = end, self._sent + len(metrics)
+        self._offset_path.write_text(str(end))
+        return False
+
+    # -- the end of the launch -------------------------------------------------------------------
+    def wait_for_run_id(self, timeout_s: float) -> str | None:
+        self._created.wait(timeout_s)
+        return self.run_id if self._created.is_set() else None
+
+    def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
+        """Flush every event, upload artifacts, set ``status``. False (with a message) if the server never came back."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        try:
+            if not self._created.is_set():
+                raise RuntimeError("the run was never created")
+            while not self._send_pending():  # anything the thread had no time for
+                pass
+            self._upload_artifacts(error)
+            self._client.set_terminated(self.run_id, status)
+            return True
+        except Exception as exc:
+            pending = self._pending_count()
+            print(f"hydraddp: MLflow at {self.uri} did not come back ({exc}). {pending} metric points are kept in "
+                  f"{self.events_path}; send them (and the {status} status) with:\n"
+                  f"  python -m hydraddp.tracking.sync {self.job_dir} --uri {self.uri} --status {status}", flush=True)
+            (self.job_dir / "mlflow_status").write_text(status)
+            return False
+
+    def _upload_artifacts(self, error: str | None) -> None:
+        report = self.job_dir / "wrap_report.json"
+        if report.exists():
+            self._client.log_artifact(self.run_id, str(report))
+        logs = self.job_dir / "logs"
+        if logs.is_dir():
+            self._client.log_artifacts(self.run_id, str(logs), "logs")
+        if error:
+            self._client.set_tag(self.run_id, names.TAG_ERROR, error[:5000])
+            self._client.log_text(self.run_id, error, "error.txt")
+
+
+def sync(job_dir: Path, uri: str, status: str | None) -> int:
+    """Send a job directory's events to its run (the command ``finish`` prints when a server stayed away)."""
+    run_id = (job_dir / RUN_ID_FILE).read_text().strip()
+    run = LaunchRun(uri, "", job_dir, {}, [], {}, run_id=run_id)
+    run._client = _client(uri)
+    run._created.set()
+    while not run._send_pending():
+        pass
+    run._upload_artifacts(None)
+    if status:
+        run._client.set_terminated(run_id, status)
+    print(f"hydraddp: sent {run._sent} metric points to run {run_id}")
+    return 0

@@ -1,0 +1,43 @@
+"""From a composed config to the launch's MLflow run: URI, tags, redacted config (no mlflow import here)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hydraddp.tracking import names
+from hydraddp.tracking.run import LaunchRun, default_uri, preflight
+
+PARENT_RUN_ENV = "HYDRADDP_PARENT_RUN_ID"  # set by a sweep for its jobs
+
+
+def tracking_uri(cfg: DictConfig) -> str:
+    return cfg.tracking.uri or default_uri()
+
+
+def redacted_config(cfg: DictConfig, resolved: dict[str, Any]) -> dict[str, Any]:
+    """``resolved`` with every ``${oc.env:...}`` value and every password/token/secret-looking key masked."""
+    unresolved = OmegaConf.to_container(cfg, resolve=False)
+    return names.redact(resolved, names.secret_paths(unresolved))
+
+
+def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrides: list[str],
+               realized_wrap: str, world_size: int) -> LaunchRun:
+    tags = {
+        names.TAG_BACKEND: resolved["backend"]["name"],
+        names.TAG_WRAP: realized_wrap,
+        names.TAG_PRECISION: cfg.precision.name,
+        names.TAG_OFFLOAD: cfg.offload.name,
+        names.TAG_WORLD_SIZE: str(world_size),
+    }
+    parent = os.environ.get(PARENT_RUN_ENV)
+    if parent:
+        tags[names.TAG_PARENT] = parent
+    return LaunchRun(tracking_uri(cfg), cfg.tracking.experiment, job_dir, redacted_config(cfg, resolved), overrides,
+                     tags, run_id=cfg.tracking.run_id, run_name=" ".join(overrides) or None)
+
+
+__all__ = ["PARENT_RUN_ENV", "launch_run", "preflight", "redacted_config", "tracking_uri"]
