@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
@@ -27,8 +29,22 @@ def summary_table(outcomes: list[dict[str, Any]]) -> str:
 
 
 class SweepSummary(Callback):
+    """Prints the table, and keeps the sweep's MLflow parent run (its jobs' runs become its children)."""
+
     def __init__(self) -> None:
         self.outcomes: list[dict[str, Any]] = []
+        self.parent: Any = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not config.tracking.enabled:
+            return
+        from hydraddp.tracking.run import SweepRun, preflight
+        from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
+
+        uri = tracking_uri(config)
+        if preflight(uri) is None:  # otherwise every job reports the unreachable server itself
+            self.parent = SweepRun(uri, config.tracking.experiment, list(config.hydra.overrides.task))
+            os.environ[PARENT_RUN_ENV] = self.parent.run_id
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status == JobStatus.COMPLETED and isinstance(job_return._return_value, dict):
@@ -38,8 +54,15 @@ class SweepSummary(Callback):
                                   "overrides": list(job_return.overrides or [])})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.outcomes:
-            return
-        print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
-        if any(out.get("status") != "ok" for out in self.outcomes):
+        failed = any(out.get("status") != "ok" for out in self.outcomes)
+        if self.parent is not None:
+            from hydraddp.tracking.run import FAILED, FINISHED
+            from hydraddp.tracking.setup import PARENT_RUN_ENV
+
+            print(f"\nhydraddp sweep: MLflow parent run {self.parent.run_id} at {self.parent.uri}", flush=True)
+            self.parent.finish(FAILED if failed else FINISHED, Path(config.hydra.sweep.dir))
+            os.environ.pop(PARENT_RUN_ENV, None)
+        if self.outcomes:
+            print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
+        if failed:
             sys.exit(1)

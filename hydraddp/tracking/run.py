@@ -208,3 +208,29 @@ def sync(job_dir: Path, uri: str, status: str | None) -> int:
         run._client.set_terminated(run_id, status)
     print(f"hydraddp: sent {run._sent} metric points to run {run_id}")
     return 0
+
+
+class SweepRun:
+    """A sweep's parent run: its jobs' runs are its children; the comparison plots end up on it."""
+
+    def __init__(self, uri: str, experiment: str, sweep_overrides: list[str]):
+        self.uri = uri
+        self.client = _client(uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        description = " ".join(sweep_overrides)
+        self.run_id = self.client.create_run(experiment_id, tags={names.TAG_SWEEP: description},
+                                             run_name=f"sweep: {description}").info.run_id
+        self.client.log_text(self.run_id, yaml.safe_dump(sweep_overrides), "overrides.yaml")
+
+    def finish(self, status: str, sweep_dir: Path) -> None:
+        from hydraddp.tracking.compare import compare
+
+        try:
+            text, paths = compare(self.run_id, self.uri, sweep_dir / "compare")
+            print(text, flush=True)
+            for path in paths:
+                self.client.log_artifact(self.run_id, str(path))
+        except SystemExit as exc:  # no child run to compare (every job was invalid)
+            print(exc, flush=True)
+        self.client.set_terminated(self.run_id, status)
