@@ -100,17 +100,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         rank, result = launch(cfg, job_dir, events_path)
     except WorkerFailedError as exc:
         if tracker:
-            tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}")
+            tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=cfg.tracking.flush_timeout_s)
         print(f"hydraddp: {exc}. Logs: {job_dir / 'logs'}", file=sys.stderr)
         if not sweeping:
             sys.exit(EXIT_WORKER_FAILED)
         return {**outcome, "status": "failed", "error": str(exc), "run_id": tracker.run_id if tracker else None}
     except BaseException as exc:
         if tracker:
-            tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc))
+            tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc),
+                           timeout_s=cfg.tracking.flush_timeout_s)
         raise
     if tracker:
-        tracker.finish(FINISHED)
+        tracker.finish(FINISHED, timeout_s=cfg.tracking.flush_timeout_s)
         result["run_id"] = tracker.run_id
     if rank == 0:  # under torchrun every rank gets here; one report is enough
         run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""

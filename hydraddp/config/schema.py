@@ -78,6 +78,8 @@ class TrackingConfig:
     uri: Optional[str] = None
     experiment: str = "hydraddp"
     run_id: Optional[str] = None
+    tags: dict[str, str] = field(default_factory=dict)  # extra tags on the run (+tracking.tags.team=vision)
+    flush_timeout_s: float = 60.0  # how long the end of a launch waits for an absent server
 
 
 @dataclass

@@ -81,3 +81,16 @@ def params(resolved_redacted: dict[str, Any]) -> dict[str, str]:
             text = text[: MAX_PARAM_LENGTH - len(TRUNCATED)] + TRUNCATED
         out[key] = text
     return out
+
+
+def redact_overrides(overrides: list[str], secrets: Iterable[str]) -> list[str]:
+    """Command-line overrides with the value of every secret key masked (``key=value`` -> ``key=***``)."""
+    secret_keys = set(secrets)
+    out = []
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        bare = key.lstrip("+~")
+        if sep and (bare in secret_keys or SECRET_KEY.search(bare.split(".")[-1])):
+            override = f"{key}={REDACTED}"
+        out.append(override)
+    return out

@@ -80,7 +80,8 @@ class LaunchRun:
         self._offset = int(self._offset_path.read_text()) if self._offset_path.exists() else 0
         self._sent = 0
         self._created = threading.Event()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the launch ended: send what is left, then return
+        self._abort = threading.Event()  # finish() gave up waiting: return now
         self._thread: threading.Thread | None = None
         self._client: Any = None
 
@@ -94,9 +95,9 @@ class LaunchRun:
         while not self._created.is_set():
             try:
                 self._create()
-            except Exception as exc:  # the server may be restarting: keep trying until the launch ends
+            except Exception as exc:  # the server may be restarting: keep trying until finish() gives up
                 log.warning("MLflow run not created yet (%s); retrying", exc)
-                if self._stop.wait(delay):
+                if self._abort.wait(delay):
                     return
                 delay = min(delay * 2, 5.0)
         while True:
@@ -104,10 +105,10 @@ class LaunchRun:
             try:
                 drained = self._send_pending()
             except Exception as exc:
-                log.warning("MLflow at %s unavailable (%s); %d points wait in %s", self.uri, exc,
-                            self._pending_count(), self.events_path)
-                drained = False
-                if self._stop.wait(delay):
+                if delay == 0.5:  # once per outage, not at every retry
+                    log.warning("MLflow at %s unavailable (%s); points wait in %s and are sent when it is back",
+                                self.uri, exc, self.events_path)
+                if self._abort.wait(delay):
                     return
                 delay = min(delay * 2, 5.0)
                 continue
@@ -167,6 +168,8 @@ class LaunchRun:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            self._abort.set()
+            self._thread.join()
         try:
             if not self._created.is_set():
                 raise RuntimeError("the run was never created")

@@ -18,15 +18,14 @@ def tracking_uri(cfg: DictConfig) -> str:
     return cfg.tracking.uri or default_uri()
 
 
-def redacted_config(cfg: DictConfig, resolved: dict[str, Any]) -> dict[str, Any]:
-    """``resolved`` with every ``${oc.env:...}`` value and every password/token/secret-looking key masked."""
-    unresolved = OmegaConf.to_container(cfg, resolve=False)
-    return names.redact(resolved, names.secret_paths(unresolved))
-
-
 def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrides: list[str],
                realized_wrap: str, world_size: int) -> LaunchRun:
+    """The launch's run. Every ``${oc.env:...}`` value and every password/token/secret-looking key is masked
+    in the params, the config artifact, the overrides and the user's tags."""
+    secrets = names.secret_paths(OmegaConf.to_container(cfg, resolve=False))
+    config = names.redact(resolved, secrets)
     tags = {
+        **config["tracking"]["tags"],
         names.TAG_BACKEND: resolved["backend"]["name"],
         names.TAG_WRAP: realized_wrap,
         names.TAG_PRECISION: cfg.precision.name,
@@ -36,8 +35,9 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
     parent = os.environ.get(PARENT_RUN_ENV)
     if parent:
         tags[names.TAG_PARENT] = parent
-    return LaunchRun(tracking_uri(cfg), cfg.tracking.experiment, job_dir, redacted_config(cfg, resolved), overrides,
-                     tags, run_id=cfg.tracking.run_id, run_name=" ".join(overrides) or None)
+    overrides = names.redact_overrides(overrides, secrets)
+    return LaunchRun(tracking_uri(cfg), cfg.tracking.experiment, job_dir, config, overrides, tags,
+                     run_id=cfg.tracking.run_id, run_name=" ".join(overrides) or None)
 
 
-__all__ = ["PARENT_RUN_ENV", "launch_run", "preflight", "redacted_config", "tracking_uri"]
+__all__ = ["PARENT_RUN_ENV", "launch_run", "preflight", "tracking_uri"]

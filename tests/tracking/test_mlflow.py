@@ -1,0 +1,252 @@
+"""One MLflow run per launch against a real `mlflow server` subprocess: tags, params, artifacts and
+metrics by the contract's names; sweeps as parent and children; true final statuses; secrets kept out;
+a server that goes away mid-run loses nothing."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from hydraddp.distributed.env import free_port
+from hydraddp.tracking import names
+from tests.helpers.mlflow_server import MlflowServer
+from tests.helpers.spawn import assert_no_orphans, child_env, job_dirs, run_cli, run_process
+
+QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
+TAGS = ("hydraddp.backend", "hydraddp.wrap", "hydraddp.precision", "hydraddp.offload", "hydraddp.world_size")
+
+
+def tracked(server, experiment):
+    return [f"tracking.uri={server.uri}", f"tracking.experiment={experiment}"]
+
+
+def runs_of(server, experiment):
+    client = server.client()
+    found = client.get_experiment_by_name(experiment)
+    return [] if found is None else client.search_runs([found.experiment_id])
+
+
+def loss_steps(client, run_id):
+    return sorted(m.step for m in client.get_metric_history(run_id, names.LOSS))
+
+
+@pytest.fixture(scope="module")
+def ddp_and_fsdp2(mlflow_server, tmp_path_factory):
+    experiment = f"shards-{uuid.uuid4().hex[:6]}"
+    for wrap in ("ddp", "fsdp2"):
+        done = run_cli(f"wrap={wrap}", *QUICK, *tracked(mlflow_server, experiment),
+                       cwd=tmp_path_factory.mktemp(wrap))
+        assert done.returncode == 0, done.stderr[-3000:]
+    runs = {r.data.tags["hydraddp.wrap"]: r for r in runs_of(mlflow_server, experiment)}
+    assert sorted(runs) == ["ddp", "fsdp2"]
+    return runs
+
+
+def test_a_launch_is_one_run_with_the_contract_tags_and_artifacts(mlflow_server, ddp_and_fsdp2):
+    run = ddp_and_fsdp2["fsdp2"]
+    assert run.info.status == "FINISHED"
+    assert {k: run.data.tags[k] for k in TAGS} == {"hydraddp.backend": "gloo", "hydraddp.wrap": "fsdp2",
+                                                   "hydraddp.precision": "fp32", "hydraddp.offload": "none",
+                                                   "hydraddp.world_size": "2"}
+    assert run.data.params["wrap.name"] == "fsdp2" and run.data.params["launcher.nproc_per_node"] == "2"
+    client = mlflow_server.client()
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "overrides.yaml", "wrap_report.json", "logs"} <= artifacts
+    report = json.loads(client.download_artifacts(run.info.run_id, "wrap_report.json", dst_path=None) and
+                        open(client.download_artifacts(run.info.run_id, "wrap_report.json")).read())
+    assert [r["rank"] for r in report] == [0, 1] and report[0]["wrapper"] == "fsdp2"
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert logs == {"logs/rank0.log", "logs/rank1.log"}
+    assert loss_steps(client, run.info.run_id) == [4, 8, 12]  # every logged step, once
+
+
+def test_fsdp2_rank_shards_are_half_of_ddp(ddp_and_fsdp2):
+    ddp, fsdp2 = ddp_and_fsdp2["ddp"].data.metrics, ddp_and_fsdp2["fsdp2"].data.metrics
+    for rank in (0, 1):
+        for field in ("param_bytes", "grad_bytes", "optim_state_bytes"):
+            ratio = fsdp2[f"sharding/{field}/rank{rank}"] / ddp[f"sharding/{field}/rank{rank}"]
+            assert 0.45 <= ratio <= 0.55, (field, rank, ratio)
+    for base in ("sharding/param_bytes", "sharding/param_numel", "memory/peak_bytes"):
+        ranks = [fsdp2[f"{base}/rank{r}"] for r in (0, 1)]
+        assert fsdp2[f"{base}/max"] == max(ranks) and fsdp2[f"{base}/min"] == min(ranks)
+        assert fsdp2[f"{base}/mean"] == pytest.approx(sum(ranks) / 2)
+    assert fsdp2["memory/peak_bytes/rank0"] > 50e6  # a real process RSS, not a placeholder
+    assert {names.SAMPLES_PER_S, names.STEP_TIME_S, names.LOSS} <= set(fsdp2)
+
+
+def test_a_2x2_sweep_is_one_parent_with_four_finished_children(mlflow_server, tmp_path):
+    experiment = f"sweep-{uuid.uuid4().hex[:6]}"
+    done = run_cli("-m", "wrap=ddp,fsdp2", "precision=fp32,bf16", *QUICK, *tracked(mlflow_server, experiment),
+                   cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = runs_of(mlflow_server, experiment)
+    parents = [r for r in runs if names.TAG_SWEEP in r.data.tags]
+    children = [r for r in runs if names.TAG_SWEEP not in r.data.tags]
+    assert len(parents) == 1 and len(children) == 4
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and "wrap=ddp,fsdp2" in parent.data.tags[names.TAG_SWEEP]
+    assert all(c.data.tags[names.TAG_PARENT] == parent.info.run_id and c.info.status == "FINISHED" for c in children)
+    assert {(c.data.tags["hydraddp.wrap"], c.data.tags["hydraddp.precision"]) for c in children} == \
+        {("ddp", "fp32"), ("ddp", "bf16"), ("fsdp2", "fp32"), ("fsdp2", "bf16")}
+    artifacts = {a.path for a in mlflow_server.client().list_artifacts(parent.info.run_id)}
+    assert {"loss_curves.png", "memory_per_rank.png"} <= artifacts
+
+
+def test_compare_prints_the_table_and_writes_the_plots(mlflow_server, tmp_path):
+    experiment = f"compare-{uuid.uuid4().hex[:6]}"
+    assert run_cli("-m", "wrap=ddp,fsdp", *QUICK, *tracked(mlflow_server, experiment), cwd=tmp_path,
+                   timeout=300).returncode == 0
+    parent = next(r for r in runs_of(mlflow_server, experiment) if names.TAG_SWEEP in r.data.tags)
+    for target in (parent.info.run_id, experiment):
+        done = run_process([sys.executable, "-m", "hydraddp.compare", target, "--uri", mlflow_server.uri,
+                            "--out", str(tmp_path / target)], cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        header, *rows = done.stdout.splitlines()[:3]
+        assert header.split() == ["wrap", "precision", "world", "samples/s", "max", "rank", "p+g+o", "MB",
+                                  "peak", "mem", "MB", "final", "loss", "status"]
+        assert sorted(row.split()[0] for row in rows) == ["ddp", "fsdp"]
+        for png in ("loss_curves.png", "memory_per_rank.png"):
+            assert (tmp_path / target / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_worker_that_raises_leaves_the_run_failed_with_its_error(mlflow_server, tmp_path):
+    experiment = f"fail-{uuid.uuid4().hex[:6]}"
+    done = run_cli("optim.optimizer.lr=-1", *QUICK, *tracked(mlflow_server, experiment), cwd=tmp_path)
+    assert done.returncode == 1
+    [run] = runs_of(mlflow_server, experiment)
+    assert run.info.status == "FAILED"
+    assert "ValueError: Invalid learning rate: -1" in run.data.tags[names.TAG_ERROR]
+
+
+def test_ctrl_c_leaves_the_run_killed_and_no_process(mlflow_server, tmp_path):
+    experiment, token = f"kill-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=5",
+                             *tracked(mlflow_server, experiment)], cwd=tmp_path, env=child_env(token),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not any(r.data.metrics.get(names.LOSS) for r in runs_of(mlflow_server, experiment)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert_no_orphans(token)
+    [run] = runs_of(mlflow_server, experiment)
+    assert run.info.status == "KILLED"
+
+
+def test_a_secret_from_the_environment_never_reaches_mlflow(mlflow_server, tmp_path):
+    experiment, secret = f"secret-{uuid.uuid4().hex[:6]}", f"s3cr3t-{uuid.uuid4().hex}"
+    done = run_cli("+tracking.tags.team=${oc.env:HYDRADDP_TEST_SECRET}", "+tracking.tags.api_token=typed-" + secret,
+                   *QUICK, *tracked(mlflow_server, experiment), cwd=tmp_path, env={"HYDRADDP_TEST_SECRET": secret})
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = runs_of(mlflow_server, experiment)
+    client = mlflow_server.client()
+    seen = json.dumps([run.data.params, run.data.tags])
+    for artifact in ("config.yaml", "overrides.yaml", "wrap_report.json"):
+        seen += open(client.download_artifacts(run.info.run_id, artifact)).read()
+    assert secret not in seen
+    assert run.data.params["tracking.tags.team"] == names.REDACTED == run.data.tags["team"]
+    assert yaml.safe_load(open(client.download_artifacts(run.info.run_id, "config.yaml")).read())[
+        "tracking"]["tags"]["api_token"] == names.REDACTED
+
+
+def test_an_unreachable_server_is_a_clear_error_before_anything_starts(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    done = run_cli(f"tracking.uri={uri}", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert f"tracking.uri: the MLflow server at {uri} cannot be reached" in done.stderr
+    assert "tracking.enabled=false" in done.stderr and "Traceback" not in done.stderr
+    assert job_dirs(tmp_path) == []
+
+
+def test_tracking_disabled_logs_nothing(tmp_path):
+    done = run_cli("tracking.enabled=false", *QUICK, cwd=tmp_path)
+    assert done.returncode == 0
+    assert not (tmp_path / "mlflow.db").exists() and "MLflow run" not in done.stdout
+    [job] = job_dirs(tmp_path)
+    assert not (job / "events.jsonl").exists()
+
+
+def test_under_torchrun_one_run_is_made(mlflow_server, tmp_path):
+    experiment = f"torchrun-{uuid.uuid4().hex[:6]}"
+    done = run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", "-m", "hydraddp", *QUICK, *tracked(mlflow_server, experiment)],
+                       cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = runs_of(mlflow_server, experiment)
+    assert run.info.status == "FINISHED" and run.data.tags["hydraddp.world_size"] == "2"
+    assert loss_steps(mlflow_server.client(), run.info.run_id) == [4, 8, 12]
+
+
+def test_a_server_that_goes_away_mid_run_loses_no_point(tmp_path):
+    server = MlflowServer(tmp_path / "server").start()
+    experiment, token = "outage", uuid.uuid4().hex
+    steps = 300
+    proc = subprocess.Popen([sys.executable, "-m", "hydraddp", f"trainer.max_steps={steps}", "trainer.log_every=1",
+                             "model.hidden=[1024,1024]", *tracked(server, experiment)],
+                            cwd=tmp_path, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r.data.metrics.get(names.LOSS) for r in runs_of(server, experiment)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        server.stop()  # the server goes away while the workers train on
+        time.sleep(5)
+        server.start()  # and comes back on the same port
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+        server.stop()
+    assert proc.returncode == 0, err[-3000:]
+    assert_no_orphans(token)
+    server.start()
+    try:
+        [run] = runs_of(server, experiment)
+        assert run.info.status == "FINISHED"
+        assert loss_steps(server.client(), run.info.run_id) == list(range(1, steps + 1))
+    finally:
+        server.stop()
+
+
+def test_a_server_that_never_comes_back_keeps_the_points_and_says_how_to_send_them(tmp_path):
+    server = MlflowServer(tmp_path / "server").start()
+    experiment = "gone"
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "hydraddp", "trainer.max_steps=200", "trainer.log_every=2",
+                             "model.hidden=[1024,1024]", "tracking.flush_timeout_s=2", *tracked(server, experiment)],
+                            cwd=tmp_path, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("outputs/*/*/mlflow_run_id")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        server.stop()
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert_no_orphans(token)
+    [job] = job_dirs(tmp_path)
+    command = re.search(r"python -m hydraddp\.tracking\.sync .*", out)
+    assert command and str(job / "events.jsonl") in out
+    server.start()
+    try:
+        sent = run_process([sys.executable, *command[0].split()[1:]], cwd=tmp_path, timeout=120)
+        assert sent.returncode == 0, sent.stderr[-3000:]
+        [run] = runs_of(server, experiment)
+        assert run.info.status == "FINISHED"
+        assert loss_steps(server.client(), run.info.run_id) == list(range(2, 201, 2))
+    finally:
+        server.stop()
