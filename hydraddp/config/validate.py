@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from hydraddp.distributed.compat import Combination, Problem, check_compatibility
+from hydraddp.distributed.env import detect_launch_env
 from hydraddp.distributed.machine import combination, cuda_device_count
 
 # Where each rule's keys live in the config, so messages name what the user types.
@@ -35,9 +36,18 @@ def resolve_backend(name: str) -> str:
 
 
 def world_size(cfg: DictConfig) -> int:
+    """The processes of the launch: what torchrun/SLURM started when attached, else the launcher group's."""
+    launch = detect_launch_env()
+    if launch is not None:
+        return launch.world_size
     if cfg.backend.name == "none":
         return cfg.launcher.nproc_per_node
     return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
+
+
+def nproc_per_node(cfg: DictConfig) -> int:
+    launch = detect_launch_env()
+    return launch.local_world_size if launch is not None else cfg.launcher.nproc_per_node
 
 
 def combination_of(cfg: DictConfig) -> Combination:
@@ -52,7 +62,7 @@ def combination_of(cfg: DictConfig) -> Combination:
         offload=cfg.offload.name,
         sync_bn=bool(cfg.model.get("sync_bn", False)),
         world_size=world_size(cfg),
-        nproc_per_node=cfg.launcher.nproc_per_node,
+        nproc_per_node=nproc_per_node(cfg),
         global_batch_size=cfg.data.batch_size,
         names=names,
     )
@@ -68,6 +78,8 @@ def problems(cfg: DictConfig) -> list[Problem]:
             f"precision={cfg.precision.name} uses no grad scaler, but {', '.join(scaler_keys)} is set.",
             "Drop the grad scaler settings, or use precision=fp16 (the only mode that scales gradients).",
         ))
+    if detect_launch_env() is not None:
+        return found  # attached: torchrun/SLURM already decided processes and nodes; the launcher group is unused
     launcher = cfg.launcher
     if launcher.nproc_per_node < 1 or launcher.nnodes < 1:
         found.append(Problem(("launcher.nproc_per_node", "launcher.nnodes"),

@@ -2,7 +2,7 @@
 # Run the GPU-only tests (and the GPU benchmark, once it exists) on a GPU machine, from a fresh checkout.
 #   bash tests/gpu/run.sh
 # TORCH_SPEC picks the torch build (default torch==2.13.0, PyPI's CUDA build on Linux), e.g.
-#   TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" bash tests/gpu/run.sh
+#   TORCH_SPEC="torch==2.13.0 --index-url <a CUDA wheel index matching the driver>" bash tests/gpu/run.sh
 # NO_INSTALL=1 skips pip (an offline machine whose venv already has everything).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
