@@ -37,17 +37,14 @@ def prepare_argv(argv: list[str]) -> list[str]:
     return argv
 
 
-def _remove_if_unused(job_dir: Path) -> None:
-    """Remove a job directory that holds nothing but Hydra's own copy of the config."""
-    if job_dir.is_dir() and all(p.name == ".hydra" for p in job_dir.iterdir()):
-        shutil.rmtree(job_dir, ignore_errors=True)
-
-
 def _report_problems(problems: list, job_dir: Path) -> None:
     print("hydraddp: invalid configuration; nothing was started:", file=sys.stderr)
     for problem in problems:
         print(f"- {problem}", file=sys.stderr)
-    _remove_if_unused(job_dir)  # no half-written run is left behind
+    # The job directory Hydra made holds only its copy of the config: no half-written run is left behind.
+    # (Ranks other than 0 under torchrun run in "." with no copy: nothing of theirs to remove.)
+    if HydraConfig.get().output_subdir is not None and all(p.name == ".hydra" for p in job_dir.iterdir()):
+        shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def _tracks_here(cfg: DictConfig) -> bool:

@@ -121,11 +121,11 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
                 "optimizer = torch.optim.SGD(model.parameters(), ...).",
             )
         )
+    model = kwargs.pop("model", None)
     if api.backend() != HOROVOD:
         return optimizer
     import horovod.torch as hvd
 
-    model = kwargs.pop("model", None)
     if model is not None:
         kwargs.setdefault("named_parameters", model.named_parameters())
     compression = kwargs.pop("compression", None)

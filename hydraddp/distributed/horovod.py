@@ -90,7 +90,7 @@ class HorovodContext(Context):
             self._hvd.shutdown()
 
     def barrier(self) -> None:
-        self._hvd.join()
+        self._hvd.barrier()
 
     def _do_all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         ops = {"SUM": self._hvd.Sum, "AVERAGE": self._hvd.Average, "MIN": self._hvd.Min, "MAX": self._hvd.Max}

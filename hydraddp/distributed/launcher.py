@@ -265,11 +265,17 @@ class Parallel:
             shutil.rmtree(failure_dir, ignore_errors=True)
 
     def _run_horovod(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[int, Any]:
+        """Spawn through Horovod's own runner (gloo controller), as horovodrun would."""
         import horovod
 
-        entry = _Entry(HOROVOD, fn, args, kwargs, self.init_kwargs)
+        env = {"OMP_NUM_THREADS": "1"} if "OMP_NUM_THREADS" not in os.environ and self.nproc_per_node > 1 else {}
+        failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
+        entry = _Entry(HOROVOD, fn, args, kwargs, self.init_kwargs, failure_dir)
         try:
-            results = horovod.run(entry, np=self.nproc_per_node * self.nnodes, use_gloo=True)
+            with _worker_env(env):
+                results = horovod.run(entry, np=self.nproc_per_node, use_gloo=True)
         except RuntimeError as exc:
-            raise WorkerFailedError(-1, str(exc)) from None
+            raise (_first_recorded_failure(failure_dir) or WorkerFailedError(-1, str(exc))) from None
+        finally:
+            shutil.rmtree(failure_dir, ignore_errors=True)
         return dict(enumerate(results))

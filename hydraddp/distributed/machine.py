@@ -7,7 +7,9 @@ version string, so the app rejects a bad configuration without paying for ``impo
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import sys
+from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,6 +28,15 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def horovod_installed() -> bool:
+    """Horovod with its PyTorch extension is on disk: a look at the files, without importing torch or Horovod.
+    (``horovod.has_hvd_support`` proves the extension loads; a worker that cannot load it fails clearly.)"""
+    spec = importlib.util.find_spec("horovod")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(Path(location, "torch").glob("mpi_lib_v2*.so") for location in spec.submodule_search_locations)
+
+
 def combination(**fields: Any) -> Combination:
     """A ``Combination`` of ``fields`` plus what this machine has. Horovod is only imported when asked for."""
     if "cuda_device_count" not in fields:
@@ -39,9 +50,7 @@ def combination(**fields: Any) -> Combination:
 
         fields["has_mpi"] = dist.is_available() and dist.is_mpi_available()
     if "has_horovod" not in fields and fields.get("backend") == "horovod":
-        from hydraddp.distributed.horovod import has_hvd_support
-
-        fields["has_horovod"] = has_hvd_support()
+        fields["has_horovod"] = horovod_installed()
     return Combination(**fields)
 
 

@@ -117,7 +117,9 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     device, world = idist.device(), idist.get_world_size()
     model, _ = build_model(cfg)
     flops_per_token, device_flops = _flops_per_token(model), peak_flops(device)
-    optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(model.parameters()))
+    # model= lets Horovod's DistributedOptimizer name the gradients it reduces (ignored elsewhere).
+    optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(model.parameters()), model=model)
+    horovod = idist.backend() == "horovod"
     scheduler = instantiate(cfg.optim.scheduler, "optim.scheduler")(optimizer) if cfg.optim.scheduler else None
     scaler_settings = {k: cfg.precision[k] for k in ("init_scale", "growth_interval") if cfg.precision.get(k) is not None}
     scaler = idist.grad_scaler(model, **scaler_settings)
@@ -144,12 +146,17 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         else:
             loss.backward()
         if trainer.grad_clip:
+            if horovod:
+                optimizer.synchronize()  # Horovod reduces in step(); clip the reduced gradients instead
             if scaler is not None:
                 scaler.unscale_(optimizer)
             _clip(model, trainer.grad_clip)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
+        elif horovod and trainer.grad_clip:
+            with optimizer.skip_synchronize():
+                optimizer.step()
         else:
             optimizer.step()
         if scheduler is not None:

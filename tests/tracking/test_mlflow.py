@@ -250,3 +250,15 @@ def test_a_server_that_never_comes_back_keeps_the_points_and_says_how_to_send_th
         assert loss_steps(server.client(), run.info.run_id) == list(range(2, 201, 2))
     finally:
         server.stop()
+
+
+def test_tracking_run_id_continues_an_existing_run(mlflow_server, tmp_path):
+    experiment = f"continue-{uuid.uuid4().hex[:6]}"
+    assert run_cli(*QUICK, *tracked(mlflow_server, experiment), cwd=tmp_path / "first").returncode == 0
+    [first] = runs_of(mlflow_server, experiment)
+    done = run_cli(*QUICK, "trainer.seed=1", f"tracking.run_id={first.info.run_id}", *tracked(mlflow_server, experiment),
+                   cwd=tmp_path / "second")
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = runs_of(mlflow_server, experiment)  # still one run
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    assert len(mlflow_server.client().get_metric_history(run.info.run_id, names.LOSS)) == 6

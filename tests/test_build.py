@@ -1,0 +1,24 @@
+"""build_model(cfg) from a user's own script: compose, build, get the model and its WrapReport."""
+
+import torch
+
+from hydraddp import build_model
+from hydraddp.config.compose import compose
+
+
+def test_build_model_in_one_process():
+    cfg = compose(["backend=none", "wrap=none", "launcher.nproc_per_node=1", "precision=bf16"])
+    model, report = build_model(cfg)
+    assert type(model).__name__ == "MLP"
+    assert (report.wrapper, report.world_size, report.precision, report.param_dtype) == ("none", 1, "bf16", "bfloat16")
+    assert report.total_numel == sum(p.numel() for p in model.parameters()) == report.local_numel
+    logits = model(torch.rand(4, 64))
+    assert logits.shape == (4, 10) and logits.dtype == torch.float32  # autocast inside, fp32 out
+
+
+def test_the_same_seed_builds_the_same_weights():
+    cfg = compose(["backend=none", "wrap=none", "launcher.nproc_per_node=1", "model=gpt", "data=text",
+                   "model.depth=1"])
+    first, _ = build_model(cfg)
+    second, _ = build_model(cfg)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
