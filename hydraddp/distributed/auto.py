@@ -133,7 +133,10 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
         kwargs["compression"] = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compression]
     elif compression is not None:
         kwargs["compression"] = compression
+    state = optimizer.state_dict()
     optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
+    if state["state"]:
+        optimizer.load_state_dict(state)  # Horovod's wrapper is a new optimizer: it would start from nothing
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     return optimizer
 

@@ -34,7 +34,8 @@ def horovod_installed() -> bool:
     spec = importlib.util.find_spec("horovod")
     if spec is None or not spec.submodule_search_locations:
         return False
-    return any(Path(location, "torch").glob("mpi_lib_v2*.so") for location in spec.submodule_search_locations)
+    return any(next(Path(location, "torch").glob("mpi_lib_v2*.so"), None) is not None
+               for location in spec.submodule_search_locations)
 
 
 def combination(**fields: Any) -> Combination:

@@ -140,7 +140,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         inputs, targets = next(batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         loss, _ = _loss(model, inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # set_to_none by default; Horovod's wrapper takes no arguments
         if scaler is not None:
             scaler.scale(loss).backward()
         else:

@@ -1,0 +1,119 @@
+"""backend=horovod for real (Horovod 0.28.1 built by scripts/install_horovod.sh): the same auto_model /
+auto_optim / auto_dataloader as native DDP, and the same numbers."""
+
+import os
+import re
+import sys
+import uuid
+
+import pytest
+import torch
+
+from hydraddp.distributed import has_hvd_support
+from tests.distributed.test_parity import FP32_TOL, max_param_diff
+from tests.helpers.spawn import job_dirs, run_cli, run_parallel, run_process
+
+pytestmark = pytest.mark.skipif(
+    not has_hvd_support() and not os.environ.get("CI"),
+    reason="Horovod is not installed here: bash scripts/install_horovod.sh (CI always builds it, so never skips)",
+)
+CASES = [(None, "fp32", "sgd")]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hvd")
+    target = "tests.distributed.workers:train_cases"
+    return {
+        "one": run_parallel(target, CASES, backend="none", nproc=1, tmp_path=tmp)[0][CASES[0]],
+        "gloo_ddp": run_parallel(target, [("ddp", "fp32", "sgd")], tmp_path=tmp)[0][("ddp", "fp32", "sgd")],
+        "horovod": run_parallel(target, CASES, backend="horovod", tmp_path=tmp, timeout=180),
+    }
+
+
+def test_horovod_matches_gloo_ddp_and_one_process(parity):
+    horovod = parity["horovod"][0][CASES[0]]
+    assert horovod["report"]["wrapper"] == "horovod" and horovod["report"]["backend"] == "horovod"
+    for reference in (parity["gloo_ddp"], parity["one"]):
+        assert horovod["losses"] == pytest.approx(reference["losses"], abs=FP32_TOL)
+        assert max_param_diff(horovod["params"], reference["params"]) < FP32_TOL
+    assert max_param_diff(horovod["params"], parity["horovod"][1][CASES[0]]["params"]) == 0
+
+
+def test_every_rank_holds_the_full_model(parity):
+    for rank in (0, 1):
+        report = parity["horovod"][rank][CASES[0]]["report"]
+        assert report["param_bytes"] == report["total_numel"] * 4 == report["grad_bytes"]
+
+
+def test_auto_model_broadcasts_rank0s_initial_state(tmp_path):
+    out = run_parallel("tests.horovod.workers:broadcast_from_rank0", backend="horovod", tmp_path=tmp_path, timeout=180)
+    assert max_param_diff(out[0]["before"], out[1]["before"]) > 0  # they really started apart
+    for rank in (0, 1):
+        assert max_param_diff(out[rank]["after"], out[0]["before"]) == 0
+        assert out[rank]["wrapper"] == "horovod"
+
+
+def test_auto_optim_wraps_and_broadcasts_the_optimizer_state(tmp_path):
+    out = run_parallel("tests.horovod.workers:optimizer_state_from_rank0", backend="horovod", tmp_path=tmp_path,
+                       timeout=180)
+    assert not torch.equal(out[0]["before"][0], out[1]["before"][0])
+    for rank in (0, 1):
+        assert out[rank]["distributed"]  # a Horovod DistributedOptimizer
+        assert all(torch.equal(a, b) for a, b in zip(out[rank]["after"], out[0]["before"]))
+
+
+def test_collectives_through_horovod(tmp_path):
+    out = run_parallel("tests.horovod.workers:collectives", backend="horovod", tmp_path=tmp_path, timeout=180)
+    for rank in (0, 1):
+        assert (out[rank]["world"], out[rank]["backend"], out[rank]["nproc"]) == (2, "horovod", 2)
+        assert out[rank]["sum"] == 3 and out[rank]["avg"] == [0.5]
+        assert out[rank]["gather"] == [{"r": 0}, {"r": 1}] and out[rank]["broadcast"] == "from0"
+
+
+def test_a_raising_horovod_worker_is_named(tmp_path):
+    failure = run_parallel("tests.distributed.workers:fail_on_rank", 1, backend="horovod", tmp_path=tmp_path,
+                           expect_failure=True, timeout=180)
+    assert (failure["rank"], failure["error"]) == (1, "ValueError: boom on rank 1")
+
+
+QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
+
+
+def test_the_cli_trains_under_horovod_and_logs_it(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    done = run_cli("backend=horovod", "launcher.nproc_per_node=2", *QUICK, cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(r"hydraddp: done\. 12 steps at world size 2", done.stdout)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
+    assert (run.data.tags["hydraddp.backend"], run.data.tags["hydraddp.wrap"]) == ("horovod", "horovod")
+    metrics = run.data.metrics
+    assert metrics["sharding/param_bytes/rank0"] == metrics["sharding/param_bytes/rank1"] == \
+        metrics["sharding/param_numel/rank0"] * 4  # every rank holds the full model
+
+
+def test_horovodrun_attach_makes_one_run_and_one_job_directory(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    done = run_process([horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m", "hydraddp",
+                        "backend=horovod", *QUICK], cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert len(job_dirs(tmp_path)) == 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["hydraddp.world_size"] == "2"
+
+
+def test_missing_horovod_is_a_clear_configuration_error(tmp_path):
+    # A `horovod` package without its torch extension, first on the path: what a failed or absent build looks like.
+    fake = tmp_path / "site" / "horovod"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    done = run_cli("backend=horovod", cwd=tmp_path, timeout=60, env={"PYTHONPATH": f"{fake.parent}:{os.getcwd()}"})
+    assert done.returncode == 2
+    assert "backend=horovod needs Horovod with PyTorch support" in done.stderr
+    assert "bash scripts/install_horovod.sh" in done.stderr and "Traceback" not in done.stderr
+    assert job_dirs(tmp_path) == []

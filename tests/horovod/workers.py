@@ -1,0 +1,42 @@
+"""Worker functions for the Horovod tests (run on every rank as fn(local_rank, ...))."""
+
+from __future__ import annotations
+
+import torch
+
+import hydraddp.distributed as idist
+from tests.distributed.workers import full_params
+
+
+def broadcast_from_rank0(local_rank: int) -> dict:
+    """Each rank starts from its own random init; auto_model must leave rank 0's everywhere."""
+    torch.manual_seed(100 + idist.get_rank())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = idist.auto_model(model)
+    return {"before": before, "after": full_params(wrapped), "wrapper": idist.wrap_report(wrapped).wrapper,
+            "type": type(wrapped).__name__}
+
+
+def optimizer_state_from_rank0(local_rank: int) -> dict:
+    """Optimizer state that differs per rank before auto_optim is rank 0's on every rank after it."""
+    torch.manual_seed(0)
+    model = idist.auto_model(torch.nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # One local step on rank-specific data fills each rank's momentum buffers differently.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(idist.get_rank()))
+    model(x).sum().backward()
+    optimizer.step()
+    before = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    optimizer = idist.auto_optim(optimizer, model=model, compression="fp16", backward_passes_per_step=1)
+    after = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    # Horovod builds the wrapper as a subclass named like the optimizer; its methods give it away.
+    return {"before": before, "after": after, "distributed": hasattr(optimizer, "synchronize")}
+
+
+def collectives(local_rank: int) -> dict:
+    rank = idist.get_rank()
+    return {"rank": rank, "world": idist.get_world_size(), "backend": idist.backend(),
+            "sum": idist.all_reduce(rank + 1), "avg": idist.all_reduce(torch.tensor([float(rank)]), "average").tolist(),
+            "gather": idist.all_gather({"r": rank}), "broadcast": idist.broadcast(f"from{rank}", src=0),
+            "nproc": idist.get_nproc_per_node()}
