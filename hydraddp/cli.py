@@ -47,6 +47,26 @@ def _report_problems(problems: list, job_dir: Path) -> None:
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
+def _resume_problems(cfg: DictConfig, job_dir: Path) -> list:
+    """Resolve ``checkpoint.resume`` once, here; a resumed run continues its MLflow run unless told otherwise."""
+    if not cfg.checkpoint.resume:
+        return []
+    from hydraddp.distributed.compat import Problem
+    from hydraddp.train.checkpoint import CheckpointError, check_readable, find, read_meta
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
+    try:
+        path = find(root, cfg.checkpoint.resume)
+        meta = read_meta(path)
+        check_readable(path)
+    except CheckpointError as exc:
+        return [Problem(("checkpoint.resume",), str(exc), "")]
+    cfg.checkpoint.resume = str(path.resolve())
+    if not cfg.tracking.run_id and meta.get("run_id"):
+        cfg.tracking.run_id = meta["run_id"]
+    return []
+
+
 def _tracks_here(cfg: DictConfig) -> bool:
     """The launch's one MLflow run lives in rank 0's process under torchrun, else in node 0's launcher."""
     launch = detect_launch_env()
@@ -66,7 +86,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     overrides = list(hydra_cfg.overrides.task)
     outcome: dict[str, Any] = {"job_dir": str(job_dir), "overrides": overrides}
 
-    found = problems(cfg)
+    found = problems(cfg) + _resume_problems(cfg, job_dir)
     tracks = _tracks_here(cfg)
     if tracks and not found:
         from hydraddp.tracking.setup import preflight, tracking_uri

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,11 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
         # Under torchrun every process made its own choice of directory; all of them take rank 0's.
         job_dir = idist.broadcast(job_dir, src=0)
     setup_rank_logging(idist.get_rank(), Path(job_dir))
+    log.info("rank %d pid %d", idist.get_rank(), os.getpid())
     events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if events is not None and restarts:
+        events.tag("hydraddp.restarts", str(restarts))  # the run shows that torch's agent restarted the group
     try:
         return {**train(OmegaConf.create(plain_cfg), Path(job_dir), events).to_dict(), "job_dir": job_dir}
     except Exception:

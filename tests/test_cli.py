@@ -2,17 +2,15 @@
 two nodes on loopback, sweeps, Hydra's own flags, and the contract's exit codes."""
 
 import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import REPO, assert_no_orphans, child_env, job_dirs, run_cli, run_process
+from tests.helpers.spawn import assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
 DONE = re.compile(r"hydraddp: done\. (\d+) steps at world size (\d+): loss ([\d.]+)")
@@ -133,20 +131,11 @@ def test_a_failing_worker_exits_1_naming_the_rank(tmp_path):
 
 
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
-    token = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=1"],
-                            cwd=tmp_path, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not list(tmp_path.glob("outputs/*/*/logs/rank1.log")) or "step 1 " not in \
-                next(tmp_path.glob("outputs/*/*/logs/rank1.log")).read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    assert "interrupted; every worker was stopped" in err
-    assert_no_orphans(token)
+    def training():
+        logs = list(tmp_path.glob("outputs/*/*/logs/rank1.log"))
+        return bool(logs) and "step 1 " in logs[0].read_text()
+
+    done = interrupt_when([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=1"],
+                          ready=training, cwd=tmp_path)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "interrupted; every worker was stopped" in done.stderr

@@ -70,6 +70,7 @@ class TrainerConfig:
     seed: int = 0
     grad_clip: Optional[float] = 1.0
     progress: bool = True
+    stop_at_step: Optional[int] = None  # end this launch early, as a preemption would (a checkpoint is written)
 
 
 @dataclass

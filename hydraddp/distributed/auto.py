@@ -217,7 +217,11 @@ def auto_dataloader(dataset: Dataset, **kwargs: Any) -> DataLoader:
         else:
             shuffle = kwargs.pop("shuffle", True)
             kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
-    elif kwargs.get("shuffle") and "generator" not in kwargs:
-        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    elif kwargs.get("shuffle") and "sampler" not in kwargs and "batch_sampler" not in kwargs \
+            and not isinstance(dataset, IterableDataset):
+        # One process shuffles like one rank of many: an order fixed by (seed, epoch), so a resumed run
+        # can find its place again.
+        del kwargs["shuffle"]
+        kwargs["sampler"] = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
     kwargs.setdefault("pin_memory", api.device().type == "cuda")
     return DataLoader(dataset, **kwargs)

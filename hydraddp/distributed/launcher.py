@@ -49,8 +49,8 @@ class _Entry:
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():
             torch.set_num_threads(int(threads))  # the env var alone can arrive after torch set its pool up
-        api.initialize(self.backend, **self.init_kwargs)
         try:
+            api.initialize(self.backend, **self.init_kwargs)
             result = self.fn(api.get_local_rank(), *self.args, **self.kwargs)
             api.barrier()  # nobody tears the group down while a peer still talks to it
             return result
@@ -66,7 +66,7 @@ class _Entry:
         if self.failure_dir is None:
             return
         record = {
-            "rank": api.get_rank(),
+            "rank": int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "-1"))),
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "time": time.time(),
             "error": f"{type(exc).__name__}: {exc}",

@@ -31,6 +31,18 @@ def native_backends_available() -> tuple[str, ...]:
     return tuple(name for name in NATIVE_BACKENDS if checks[name]())
 
 
+def _attempt_store(launch: LaunchEnv, timeout: datetime.timedelta | None) -> dist.Store | None:
+    """Under torch's elastic agent, the workers' store is the agent's, and it outlives a restart: without a
+    prefix per attempt, restarted ranks read the dead ranks' addresses and gloo's connect fails or hangs."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size, is_master=False,
+                     timeout=timeout or datetime.timedelta(minutes=30))
+    return PrefixStore(f"hydraddp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 class NativeContext(Context):
     """A process group of torch.distributed. ``owns_group`` says whether ``finalize`` destroys it."""
 
@@ -62,6 +74,8 @@ class NativeContext(Context):
             torch.cuda.set_device(launch.local_rank)
         if timeout is not None:
             init_kwargs["timeout"] = timeout
+        if "store" not in init_kwargs and "init_method" not in init_kwargs:
+            init_kwargs["store"] = _attempt_store(launch, init_kwargs.get("timeout"))
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, **init_kwargs)
         return cls(launch, owns_group=True, restore_env=restore)
 

@@ -79,6 +79,9 @@ class LaunchRun:
         # How far into the events file MLflow already has everything: a point is never sent twice.
         self._offset = int(self._offset_path.read_text()) if self._offset_path.exists() else 0
         self._sent = 0
+        # The last step sent per metric: a step replayed after a restart or a resume is not logged twice.
+        self._last_step: dict[str, int] = {}
+        self._continuing = run_id is not None
         self._created = threading.Event()
         self._stop = threading.Event()  # the launch ended: send what is left, then return
         self._abort = threading.Event()  # finish() gave up waiting: return now
@@ -150,13 +153,22 @@ class LaunchRun:
         events, end = read_events(self.events_path, self._offset)
         if not events:
             return True
-        metrics = [Metric(e["metric"], e["value"], e["ts"], e["step"]) for e in events if "metric" in e]
+        metrics = [Metric(e["metric"], e["value"], e["ts"], e["step"]) for e in events
+                   if "metric" in e and e["step"] > self._last_logged(e["metric"])]
         tags = [RunTag(e["tag"], e["value"]) for e in events if "tag" in e]
         for i in range(0, max(len(metrics), 1), BATCH):
             self._client.log_batch(self.run_id, metrics=metrics[i:i + BATCH], tags=tags if i == 0 else [])
+        for metric in metrics:
+            self._last_step[metric.key] = max(self._last_step[metric.key], metric.step)
         self._offset, self._sent = end, self._sent + len(metrics)
         self._offset_path.write_text(str(end))
         return False
+
+    def _last_logged(self, key: str) -> int:
+        if key not in self._last_step:
+            history = self._client.get_metric_history(self.run_id, key) if self._continuing else []
+            self._last_step[key] = max((m.step for m in history), default=-1)
+        return self._last_step[key]
 
     # -- the end of the launch -------------------------------------------------------------------
     def wait_for_run_id(self, timeout_s: float) -> str | None:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn import functional as F
 
@@ -21,6 +21,7 @@ from hydraddp.build import build_model
 from hydraddp.config.instantiate import instantiate
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
+from hydraddp.train import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,6 @@ class TrainResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _batches(loader) -> Iterator:
-    while True:  # each pass is a new epoch (hydraddp's DataLoader moves the sampler's epoch)
-        yield from loader
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +96,55 @@ def _flops_per_token(model: nn.Module) -> float | None:
     return fn() if callable(fn) else None
 
 
+def _checkpoint_root(cfg: DictConfig, job_dir: Path | None) -> Path | None:
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return Path(job_dir, "checkpoints") if job_dir is not None else None
+
+
+def _resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler) -> checkpoint.Resumed | None:
+    """Load the checkpoint to continue from: ``checkpoint.resume``, or after an elastic restart the latest one."""
+    path = cfg.checkpoint.resume
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    root = _checkpoint_root(cfg, job_dir)
+    if restart and root is not None and checkpoint.complete_checkpoints(root):
+        path = str(checkpoint.complete_checkpoints(root)[-1])  # this launch's own latest: go on from there
+        log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart)
+    if not path:
+        return None
+    resumed = checkpoint.load(Path(path), model, optimizer)
+    if scheduler is not None and resumed.meta.get("scheduler"):
+        scheduler.load_state_dict(resumed.meta["scheduler"])
+    if scaler is not None and resumed.meta.get("scaler"):
+        scaler.load_state_dict(resumed.meta["scaler"])
+    return resumed
+
+
+class _Saver:
+    """Periodic, early-stop and final checkpoints, as ``cfg.checkpoint`` says."""
+
+    def __init__(self, cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler):
+        self.cfg, self.job_dir = cfg, job_dir
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.root = _checkpoint_root(cfg, job_dir)
+
+    def after(self, step: int, last_step: int) -> None:
+        every, ckpt = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint
+        periodic = every and step % every == 0
+        final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
+        if self.root is None or not (periodic or final):
+            return
+        run_id_file = Path(self.job_dir, "mlflow_run_id") if self.job_dir else None
+        meta = {
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "run_id": run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None,
+            "wrap": getattr(getattr(self.model, "_hydraddp_wrap", None), "wrap", None),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+        checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=ckpt.keep_last)
+
+
 def _progress(cfg: DictConfig):
     show = cfg.trainer.progress and idist.get_rank() == 0 and sys.stderr.isatty()
     if not show:
@@ -123,6 +168,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     scheduler = instantiate(cfg.optim.scheduler, "optim.scheduler")(optimizer) if cfg.optim.scheduler else None
     scaler_settings = {k: cfg.precision[k] for k in ("init_scale", "growth_interval") if cfg.precision.get(k) is not None}
     scaler = idist.grad_scaler(model, **scaler_settings)
+    resumed = _resume(cfg, job_dir, model, optimizer, scheduler, scaler)
+    start_step = resumed.step if resumed else 0
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
     loader = idist.auto_dataloader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
                                    num_workers=cfg.data.num_workers, seed=cfg.trainer.seed)
@@ -134,9 +181,11 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
 
     result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)
     progress = _progress(cfg)
-    batches = _batches(loader)
+    batches = checkpoint.batches_from(loader, start_step)
+    last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
+    saver = _Saver(cfg, job_dir, model, optimizer, scheduler, scaler)
     window_start, window_steps, window_samples = time.perf_counter(), 0, 0
-    for step in range(1, trainer.max_steps + 1):
+    for step in range(start_step + 1, last_step + 1):
         inputs, targets = next(batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         loss, _ = _loss(model, inputs, targets)
@@ -163,14 +212,14 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             scheduler.step()
         window_steps += 1
         window_samples += inputs.shape[0] * world
-        if step == 1:
+        if step == start_step + 1:
             # Grads and optimizer state exist now: the shard sizes are the real ones.
             result.reports = [r.to_dict() for r in idist.wrap_report(model, optimizer).gather()]
             if events is not None:
                 events.metrics(names.sharding_metrics(result.reports), step)
                 if job_dir is not None:
                     write_report(job_dir, result.reports)
-        if step % trainer.log_every == 0 or step == trainer.max_steps:
+        if step % trainer.log_every == 0 or step == last_step:
             mean_loss = idist.all_reduce(loss.detach().float().clone(), "AVERAGE").item()
             elapsed = time.perf_counter() - window_start
             result.losses[step] = mean_loss
@@ -186,21 +235,22 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 progress.set_postfix(loss=f"{mean_loss:.4f}", samples_per_s=f"{result.samples_per_s:.0f}")
             log.info("step %d loss %.4f %.0f samples/s", step, mean_loss, result.samples_per_s)
             window_start, window_steps, window_samples = time.perf_counter(), 0, 0
-        if trainer.eval_every and step % trainer.eval_every == 0 and step != trainer.max_steps:
+        if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step:
             eval_loss, eval_accuracy = evaluate(model, eval_loader, device)
             log.info("step %d eval loss %.4f accuracy %.3f", step, eval_loss, eval_accuracy)
             if events is not None:
                 events.metrics({names.EVAL_LOSS: eval_loss, names.EVAL_ACCURACY: eval_accuracy}, step)
+        saver.after(step, last_step)
         if progress is not None:
             progress.update(1)
     if progress is not None:
         progress.close()
-    result.steps, result.final_loss = trainer.max_steps, result.losses[trainer.max_steps]
+    result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
     result.eval_loss, result.eval_accuracy = evaluate(model, eval_loader, device)
     peaks = idist.all_gather(peak_memory_bytes(device))
     if events is not None:
         events.metrics({names.EVAL_LOSS: result.eval_loss, names.EVAL_ACCURACY: result.eval_accuracy,
-                        **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, trainer.max_steps)
+                        **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)
     log.info("done: loss %.4f, eval loss %.4f, eval accuracy %.3f", result.final_loss, result.eval_loss,
              result.eval_accuracy)
     return result

@@ -46,7 +46,7 @@ def test_every_group_option_composes(group, option):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_and_starts_with_its_usage(name):
     first_line = (REPO / "experiments" / f"{name}.yaml").read_text().splitlines()[0]
-    assert first_line.startswith(f"# python -m hydraddp") and f"experiment={name}" in first_line
+    assert first_line.startswith("# python -m hydraddp") and f"experiment={name}" in first_line
     cfg = compose([f"experiment={name}"], return_hydra_config=True)
     assert cfg.trainer.max_steps > 0
 

@@ -1,18 +1,16 @@
 """Parallel on real processes: spawn through torch's elastic agent, attach under torchrun, fail clearly,
 stop every worker on Ctrl-C, and span two "nodes" on loopback."""
 
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 
 import pytest
 
 import hydraddp.distributed as idist
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import REPO, assert_no_orphans, child_env, run_parallel, run_process
+from tests.helpers.spawn import REPO, assert_no_orphans, child_env, interrupt_when, run_parallel, run_process
 
 
 @pytest.fixture(scope="module")
@@ -150,18 +148,7 @@ CTRL_C_SCRIPT = textwrap.dedent("""
 def test_ctrl_c_stops_every_worker(tmp_path):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_SCRIPT)
-    token = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=child_env(token),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("started-*"))) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    assert "INTERRUPTED" in out
-    assert_no_orphans(token)
+    done = interrupt_when([sys.executable, str(script), str(tmp_path)], cwd=REPO,
+                          ready=lambda: len(list(tmp_path.glob("started-*"))) == 2)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "INTERRUPTED" in done.stdout

@@ -9,7 +9,6 @@ between the distributed modes only.
 """
 
 import pytest
-import torch
 
 from tests.helpers.spawn import run_parallel
 

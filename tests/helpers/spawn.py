@@ -105,6 +105,27 @@ def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo",
     return outcome["results"]
 
 
+def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: dict[str, str] | None = None) -> Launched:
+    """Start ``cmd`` in its own session, wait until ``ready()`` while it runs, press Ctrl-C (SIGINT), and
+    collect what it printed; then check that no process of it is left."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(token, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError(f"never ready; output: {proc.communicate()}")
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert_no_orphans(token)
+    return Launched(proc.returncode, out, err, token)
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> Launched:
     """``python -m hydraddp *args`` in ``cwd`` (where its outputs/ go), with the no-orphan check."""
     cwd.mkdir(parents=True, exist_ok=True)

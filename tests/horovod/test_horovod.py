@@ -4,7 +4,6 @@ auto_optim / auto_dataloader as native DDP, and the same numbers."""
 import os
 import re
 import sys
-import uuid
 
 import pytest
 import torch

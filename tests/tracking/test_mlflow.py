@@ -4,7 +4,6 @@ a server that goes away mid-run loses nothing."""
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import yaml
 from hydraddp.distributed.env import free_port
 from hydraddp.tracking import names
 from tests.helpers.mlflow_server import MlflowServer
-from tests.helpers.spawn import assert_no_orphans, child_env, job_dirs, run_cli, run_process
+from tests.helpers.spawn import assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
 TAGS = ("hydraddp.backend", "hydraddp.wrap", "hydraddp.precision", "hydraddp.offload", "hydraddp.world_size")
@@ -125,21 +124,11 @@ def test_a_worker_that_raises_leaves_the_run_failed_with_its_error(mlflow_server
 
 
 def test_ctrl_c_leaves_the_run_killed_and_no_process(mlflow_server, tmp_path):
-    experiment, token = f"kill-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=5",
-                             *tracked(mlflow_server, experiment)], cwd=tmp_path, env=child_env(token),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not any(r.data.metrics.get(names.LOSS) for r in runs_of(mlflow_server, experiment)):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.3)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    assert_no_orphans(token)
+    experiment = f"kill-{uuid.uuid4().hex[:6]}"
+    done = interrupt_when([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=5",
+                           *tracked(mlflow_server, experiment)], cwd=tmp_path,
+                          ready=lambda: any(r.data.metrics.get(names.LOSS) for r in runs_of(mlflow_server, experiment)))
+    assert done.returncode == 130, done.stderr[-3000:]
     [run] = runs_of(mlflow_server, experiment)
     assert run.info.status == "KILLED"
 

@@ -1,0 +1,46 @@
+"""python -m hydraddp.export CHECKPOINT OUT.pt: a checkpoint's model as one plain state_dict file.
+
+The file loads with ``torch.load(OUT, weights_only=True)`` into the unwrapped model that the checkpoint's
+own config builds, whatever wrap mode and world size wrote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+from hydraddp.config.instantiate import instantiate, model_kwargs
+from hydraddp.train.checkpoint import CheckpointError, check_matches, read_meta
+
+
+def export(checkpoint: Path, out: Path) -> Path:
+    cfg = OmegaConf.create(read_meta(checkpoint)["config"])
+    model = instantiate(model_kwargs(cfg.model), "model")
+    state = {"model": model.state_dict()}
+    check_matches(checkpoint, state)
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # only the model's keys are read
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state["model"], out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hydraddp.export", description=__doc__.strip().splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        print(f"wrote {export(args.checkpoint, args.out)}")
+    except CheckpointError as exc:
+        print(f"hydraddp.export: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP): sharded for fsdp/fsdp2, full for the rest, and
+loadable into any other wrap mode and world size.
+
+A checkpoint is a directory ``step_NNNNNNNN``:
+- DCP files with the tensors: ``model.*`` and the optimizer's ``optim.state.*``;
+- ``meta.json``: step, data position, resolved config, MLflow run id, the optimizer's param groups, the
+  scheduler and grad-scaler states, the world size and wrap it was written with;
+- ``rng_rank{R}.json``: every rank's RNG states.
+Everything that is not a tensor is JSON, so loading never unpickles anything. A checkpoint is written as
+``step_NNNNNNNN.tmp`` and renamed only when complete: ``latest`` never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import hydraddp.distributed as idist
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here: missing, half-written, corrupt, or of another model."""
+
+
+@dataclass
+class Resumed:
+    step: int
+    meta: dict[str, Any]
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (``.tmp`` ones are still being written, or were killed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / META).exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name)[1]))
+
+
+def find(root: Path, resume: str) -> Path:
+    """``resume`` (``latest`` or a path) -> the checkpoint directory to load."""
+    if resume == "latest":
+        found = complete_checkpoints(root)
+        if not found:
+            raise CheckpointError(f"checkpoint.resume=latest: no complete checkpoint in {root}. "
+                                  "Point checkpoint.dir at the run's checkpoints, or give checkpoint.resume=PATH.")
+        return found[-1]
+    path = Path(resume)
+    if not (path / META).exists():
+        raise CheckpointError(f"checkpoint.resume={resume}: not a complete hydraddp checkpoint (no {META}).")
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable {META} ({exc})") from None
+
+
+def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Tensors for DCP, param groups (plain numbers and names) for JSON."""
+    tensors = {fqn: {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+               for fqn, state in optim_sd["state"].items()}
+    return {"state": tensors}, optim_sd["param_groups"]
+
+
+def _rng_state() -> dict[str, Any]:
+    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    state = {"torch": encode(torch.get_rng_state()), "python": repr(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = [encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import ast
+
+    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(decode(state["torch"]))
+    random.setstate(ast.literal_eval(state["python"]))  # literals only: no code runs
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if idist.get_world_size() > 1:
+        idist.barrier()
+
+
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+         keep_last: int = 0) -> Path:
+    """Write checkpoint ``step`` under ``root`` on every rank (a collective); returns its directory."""
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if idist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    optim_tensors, param_groups = _split_optimizer(optim_sd)
+    state = {"model": model_sd, "optim": optim_tensors}
+    if _distributed():
+        dcp.save(state, checkpoint_id=tmp)
+    elif idist.get_rank() == 0:  # Horovod or one process: every rank holds the full state; rank 0 writes it
+        dcp.save(state, checkpoint_id=tmp, no_dist=True)
+    (tmp / f"rng_rank{idist.get_rank()}.json").write_text(json.dumps(_rng_state()))
+    _barrier()
+    if idist.get_rank() == 0:
+        full_meta = {**meta, "step": step, "param_groups": param_groups, "world_size": idist.get_world_size()}
+        (tmp / META).write_text(json.dumps(full_meta, indent=1, default=str))
+        tmp.rename(final)  # atomic: a reader sees the whole checkpoint or none of it
+        for old in complete_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    log.info("checkpoint %s written", final)
+    return final
+
+
+def check_readable(path: Path) -> dict[str, Any]:
+    """The checkpoint's DCP index, or a CheckpointError saying it is corrupt."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"{path}: corrupt or incomplete DCP checkpoint ({type(exc).__name__}: {exc}). "
+                              "Resume from another checkpoint (checkpoint.resume=PATH).") from None
+
+
+def check_matches(path: Path, expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model, naming the first keys (or shapes) that differ."""
+    saved = check_readable(path)
+    wanted = {k: tuple(v.shape) for k, v in _flatten(expected).items() if isinstance(v, torch.Tensor)}
+    saved_model = {k for k in saved if k.startswith("model.")}
+    missing = sorted(k for k in wanted if k.startswith("model.") and k not in saved)
+    unexpected = sorted(saved_model - wanted.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{path} is not a checkpoint of this model: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]} (first keys shown). Use a checkpoint of the same "
+                              "model config, or start without checkpoint.resume.")
+    for key, shape in wanted.items():
+        size = getattr(saved.get(key), "size", None)
+        if size is not None and tuple(size) != shape:
+            raise CheckpointError(f"{path}: {key} has shape {tuple(size)} in the checkpoint but {shape} here.")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out.update(_flatten(value, name) if isinstance(value, dict) else {name: value})
+    return out
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
+    """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
+    size wrote it (a collective). Returns the step and the metadata; restores this rank's RNG if saved."""
+    meta = read_meta(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # templates, sharded as this run shards them
+    optim_tensors, param_groups = _split_optimizer(optim_sd)
+    state = {"model": model_sd, "optim": optim_tensors}
+    check_matches(path, state)
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from None
+    for group, saved in zip(param_groups, meta["param_groups"]):  # hyperparameters as the schedule left them
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for fqn, tensors in optim_tensors["state"].items():
+        optim_sd["state"][fqn].update(tensors)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    rng = Path(path) / f"rng_rank{idist.get_rank()}.json"
+    if rng.exists() and meta.get("world_size") == idist.get_world_size():
+        _set_rng_state(json.loads(rng.read_text()))
+    log.info("resumed from %s at step %d", path, meta["step"])
+    return Resumed(meta["step"], meta)
+
+
+def batches_from(loader, step: int) -> Iterator:
+    """The batches a run continues with after ``step`` steps: same epochs, same order, none replayed."""
+    per_epoch = len(loader)
+    epoch, offset = divmod(step, per_epoch)
+    loader.set_epoch(epoch)
+    while True:
+        for index, batch in enumerate(loader):
+            if index >= offset:
+                yield batch
+        offset = 0

@@ -1,0 +1,32 @@
+"""Worker functions for the checkpoint tests (run on every rank as fn(local_rank, ...))."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import hydraddp.distributed as idist
+from hydraddp.train import checkpoint
+from tests.distributed.workers import mlp
+
+
+def killed_during_save(local_rank: int, root: str) -> None:
+    """Save step 10, then die (SIGKILL, rank 0) in the middle of writing step 20."""
+    model = idist.auto_model(mlp(), wrap="fsdp2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    checkpoint.save(Path(root), 10, model, optimizer, {"config": {}})
+    real_save = dcp.save
+
+    def save_then_die(state, checkpoint_id, **kwargs):
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # the tensors are on disk, the checkpoint is not done
+        if idist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint.dcp.save = save_then_die
+    checkpoint.save(Path(root), 20, model, optimizer, {"config": {}})
