@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hydraddp.tracking import names
-from hydraddp.tracking.run import _client, default_uri
+from hydraddp.tracking.run import default_uri, mlflow_client
 
 COLUMNS = ("wrap", "precision", "world", "samples/s", "max rank p+g+o MB", "peak mem MB", "final loss", "status")
 
@@ -114,7 +114,7 @@ def plots(client: Any, runs: list[Any], out_dir: Path) -> list[Path]:
 
 
 def compare(target: str, uri: str, out_dir: Path) -> tuple[str, list[Path]]:
-    client = _client(uri)
+    client = mlflow_client(uri)
     runs = find_runs(client, target)
     if not runs:
         raise SystemExit(f"hydraddp.compare: no runs found for {target!r} at {uri}")

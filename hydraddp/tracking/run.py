@@ -54,7 +54,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def _client(uri: str):
+def mlflow_client(uri: str):
     # We retry ourselves (the events file keeps every point); mlflow's own backoff would stall for minutes.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -70,7 +70,7 @@ class LaunchRun:
     """
 
     def __init__(self, uri: str, experiment: str, job_dir: Path, config: dict[str, Any], overrides: list[str],
-                 tags: dict[str, str], run_id: str | None = None, run_name: str | None = None):
+                 tags: dict[str, str], run_id: str | None = None, run_name: str | None = None, resuming: bool = False):
         self.uri, self.experiment, self.job_dir = uri, experiment, Path(job_dir)
         self.config, self.overrides, self.tags = config, overrides, tags
         self.run_id, self.run_name = run_id, run_name
@@ -80,8 +80,9 @@ class LaunchRun:
         self._offset = int(self._offset_path.read_text()) if self._offset_path.exists() else 0
         self._sent = 0
         # The last step sent per metric: a step replayed after a restart or a resume is not logged twice.
+        # A resume also asks the server how far the run got; a plain tracking.run_id=... just appends.
         self._last_step: dict[str, int] = {}
-        self._continuing = run_id is not None
+        self._resuming = resuming and run_id is not None
         self._created = threading.Event()
         self._stop = threading.Event()  # the launch ended: send what is left, then return
         self._abort = threading.Event()  # finish() gave up waiting: return now
@@ -121,7 +122,7 @@ class LaunchRun:
             self._stop.wait(0.5)
 
     def _create(self) -> None:
-        client = self._client or _client(self.uri)
+        client = self._client or mlflow_client(self.uri)
         self._client = client
         if self.run_id:  # continue an existing run (tracking.run_id=..., or a resume)
             client.update_run(self.run_id, status="RUNNING")
@@ -166,7 +167,7 @@ class LaunchRun:
 
     def _last_logged(self, key: str) -> int:
         if key not in self._last_step:
-            history = self._client.get_metric_history(self.run_id, key) if self._continuing else []
+            history = self._client.get_metric_history(self.run_id, key) if self._resuming else []
             self._last_step[key] = max((m.step for m in history), default=-1)
         return self._last_step[key]
 
@@ -214,7 +215,7 @@ def sync(job_dir: Path, uri: str, status: str | None) -> int:
     """Send a job directory's events to its run (the command ``finish`` prints when a server stayed away)."""
     run_id = (job_dir / RUN_ID_FILE).read_text().strip()
     run = LaunchRun(uri, "", job_dir, {}, [], {}, run_id=run_id)
-    run._client = _client(uri)
+    run._client = mlflow_client(uri)
     run._created.set()
     while not run._send_pending():
         pass
@@ -230,7 +231,7 @@ class SweepRun:
 
     def __init__(self, uri: str, experiment: str, sweep_overrides: list[str]):
         self.uri = uri
-        self.client = _client(uri)
+        self.client = mlflow_client(uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         description = " ".join(sweep_overrides)

@@ -37,7 +37,8 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
         tags[names.TAG_PARENT] = parent
     overrides = names.redact_overrides(overrides, secrets)
     return LaunchRun(tracking_uri(cfg), cfg.tracking.experiment, job_dir, config, overrides, tags,
-                     run_id=cfg.tracking.run_id, run_name=" ".join(overrides) or None)
+                     run_id=cfg.tracking.run_id, run_name=" ".join(overrides) or None,
+                     resuming=bool(cfg.checkpoint.resume))
 
 
 __all__ = ["PARENT_RUN_ENV", "launch_run", "preflight", "tracking_uri"]
