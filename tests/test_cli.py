@@ -2,15 +2,13 @@
 two nodes on loopback, sweeps, Hydra's own flags, and the contract's exit codes."""
 
 import re
-import subprocess
 import sys
-import uuid
 
 import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
+from tests.helpers.spawn import interrupt_when, job_dirs, run_cli, run_process, run_together
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
 DONE = re.compile(r"hydraddp: done\. (\d+) steps at world size (\d+): loss ([\d.]+)")
@@ -60,26 +58,16 @@ def test_under_torchrun_it_attaches_with_one_job_directory(tmp_path):
 
 
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
-    endpoint, token = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    endpoint = f"127.0.0.1:{free_port()}"
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
-    nodes = [
-        subprocess.Popen([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={rank}",
-                          "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *QUICK],
-                         cwd=tmp_path / f"node{rank}", env=child_env(token), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-        assert_no_orphans(token)
-    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    nodes = run_together([([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={rank}",
+                            "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *QUICK],
+                           tmp_path / f"node{rank}") for rank in (0, 1)])
+    assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-3000:] for node in nodes]
     # One training of world size 2: each node keeps its own job directory with the logs of the rank it hosts
     # (torch's rendezvous decides which), and both ranks logged the same global losses.
-    assert finished(outputs[0][0])[:2] == (12, 2)
+    assert finished(nodes[0].stdout)[:2] == (12, 2)
     logs = [log for node in (0, 1) for job in job_dirs(tmp_path / f"node{node}") for log in (job / "logs").iterdir()]
     assert sorted(log.name for log in logs) == ["rank0.log", "rank1.log"]
     losses = [re.findall(r"step 12 loss ([\d.]+)", log.read_text()) for log in logs]

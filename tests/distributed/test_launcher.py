@@ -1,16 +1,14 @@
 """Parallel on real processes: spawn through torch's elastic agent, attach under torchrun, fail clearly,
 stop every worker on Ctrl-C, and span two "nodes" on loopback."""
 
-import subprocess
 import sys
 import textwrap
-import uuid
 
 import pytest
 
 import hydraddp.distributed as idist
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import REPO, assert_no_orphans, child_env, interrupt_when, run_parallel, run_process
+from tests.helpers.spawn import REPO, interrupt_when, run_parallel, run_process, run_together
 
 
 @pytest.fixture(scope="module")
@@ -117,18 +115,10 @@ NODE_SCRIPT = textwrap.dedent("""
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT)
-    endpoint, token = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
-    nodes = [subprocess.Popen([sys.executable, str(script), str(i), endpoint], cwd=REPO, env=child_env(token),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for i in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=120) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-        assert_no_orphans(token)
-    results = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("RESULT"))
-    assert results == ["RESULT (0, 2, 3)", "RESULT (1, 2, 3)"], [err[-2000:] for _, err in outputs]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = run_together([([sys.executable, str(script), str(i), endpoint], REPO) for i in (0, 1)], timeout=120)
+    results = sorted(line for node in nodes for line in node.stdout.splitlines() if line.startswith("RESULT"))
+    assert results == ["RESULT (0, 2, 3)", "RESULT (1, 2, 3)"], [node.stderr[-2000:] for node in nodes]
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""

@@ -105,6 +105,20 @@ def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo",
     return outcome["results"]
 
 
+def run_together(commands: list[tuple[list[str], Path]], timeout: float = 180) -> list[Launched]:
+    """Run several processes at once (e.g. one per node), each ``(cmd, cwd)``; wait for all; check for orphans."""
+    token = uuid.uuid4().hex
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for cmd, cwd in commands]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        assert_no_orphans(token)
+    return [Launched(proc.returncode, out, err, token) for proc, (out, err) in zip(procs, outputs)]
+
+
 def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: dict[str, str] | None = None) -> Launched:
     """Start ``cmd`` in its own session, wait until ``ready()`` while it runs, press Ctrl-C (SIGINT), and
     collect what it printed; then check that no process of it is left."""
