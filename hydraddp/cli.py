@@ -104,17 +104,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydraddp.distributed import WorkerFailedError
     from hydraddp.launch import launch, resolved
 
+    plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
     if tracks:
         from hydraddp.tracking.run import FAILED, FINISHED, KILLED
         from hydraddp.tracking.setup import launch_run
 
         combo = combination_of(cfg)
-        tracker = launch_run(cfg, resolved(cfg), job_dir, overrides, resolve_wrap(combo), combo.world_size)
+        tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size)
         tracker.start()  # mlflow imports and the run is created while the workers start
     events_path = tracker.events_path if tracker else None
     try:
-        rank, result = launch(cfg, job_dir, events_path)
+        rank, result = launch(plain, job_dir, events_path)
     except WorkerFailedError as exc:
         if tracker:
             tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=cfg.tracking.flush_timeout_s)

@@ -63,10 +63,9 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     )
 
 
-def launch(cfg: DictConfig, job_dir: Path, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
-    """Run ``cfg`` on all ranks. Returns the lowest global rank this process saw (0 when it spawned the
-    workers or is rank 0 under torchrun) and that rank's ``TrainResult`` as a dict."""
-    plain = resolved(cfg)
+def launch(plain: dict[str, Any], job_dir: Path, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
+    """Run the resolved config ``plain`` (see ``resolved``) on all ranks. Returns the lowest global rank this
+    process saw (0 when it spawned the workers or is rank 0 under torchrun) and that rank's ``TrainResult``."""
     parallel = parallel_for(plain)
     results = parallel.run(worker, plain, str(job_dir), str(events_path) if events_path else None, not parallel.spawns)
     rank = min(results)

@@ -172,10 +172,6 @@ class LaunchRun:
         return self._last_step[key]
 
     # -- the end of the launch -------------------------------------------------------------------
-    def wait_for_run_id(self, timeout_s: float) -> str | None:
-        self._created.wait(timeout_s)
-        return self.run_id if self._created.is_set() else None
-
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
         """Flush every event, upload artifacts, set ``status``. False (with a message) if the server never came back."""
         self._stop.set()
