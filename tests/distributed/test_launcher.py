@@ -1,6 +1,7 @@
 """Parallel on real processes: spawn through torch's elastic agent, attach under torchrun, fail clearly,
 stop every worker on Ctrl-C, and span two "nodes" on loopback."""
 
+import json
 import sys
 import textwrap
 
@@ -79,7 +80,10 @@ ATTACH_SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         # nproc_per_node is ignored under torchrun: it attaches instead of spawning more workers.
         out = idist.Parallel(backend="gloo", nproc_per_node=2).run(fn)
-        print("RESULT", json.dumps(list(out.values())[0]), flush=True)
+        # One file per rank: two processes printing to one pipe can interleave their lines.
+        rank, result = next(iter(out.items()))
+        with open(f"{sys.argv[1]}/result{rank}.json", "w") as f:
+            json.dump(result, f)
 """)
 
 
@@ -87,11 +91,9 @@ def test_under_torchrun_run_attaches_instead_of_spawning(tmp_path):
     script = tmp_path / "attach.py"
     script.write_text(ATTACH_SCRIPT)
     launched = run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                            f"--master_port={free_port()}", str(script)], timeout=120)
+                            f"--master_port={free_port()}", str(script), str(tmp_path)], timeout=120)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    import json
-
-    results = [json.loads(line.split(" ", 1)[1]) for line in launched.stdout.splitlines() if line.startswith("RESULT")]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert all(r["world"] == 2 and r["nproc"] == 2 for r in results)
     assert len({r["pid"] for r in results}) == 2  # two processes, the ones torchrun started
