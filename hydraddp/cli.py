@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,11 @@ from omegaconf import DictConfig
 
 from hydraddp.config.overrides import normalize_overrides
 from hydraddp.distributed.env import detect_launch_env
+from hydraddp.tracking import names
 
 EXIT_OK, EXIT_WORKER_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
-_state = {"task_started": False}
+RESULT_FILE = "result.json"  # in the job directory: rank 0's TrainResult
+_state: dict[str, Any] = {"task_started": False, "started_at": None}
 
 
 def prepare_argv(argv: list[str]) -> list[str]:
@@ -62,8 +67,10 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> list:
     except CheckpointError as exc:
         return [Problem(("checkpoint.resume",), str(exc), "")]
     cfg.checkpoint.resume = str(path.resolve())
-    if not cfg.tracking.run_id and meta.get("run_id"):
-        cfg.tracking.run_id = meta["run_id"]
+    run_id_file = Path(meta["job_dir"], names.RUN_ID_FILE) if meta.get("job_dir") else None
+    run_id = meta.get("run_id") or (run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None)
+    if not cfg.tracking.run_id and run_id:
+        cfg.tracking.run_id = run_id
     return []
 
 
@@ -80,6 +87,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydraddp.distributed.compat import Problem, resolve_wrap
 
     _state["task_started"] = True
+    # perf/startup_s counts from the command for the first job, from the job's own start in a sweep.
+    started_at, _state["started_at"] = _state["started_at"] or time.time(), None
+    os.environ[names.LAUNCHED_AT_ENV] = repr(started_at)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -101,8 +111,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             sys.exit(EXIT_INVALID)
         return {**outcome, "status": "invalid", "error": str(found[0])}
 
-    from hydraddp.distributed import WorkerFailedError
-    from hydraddp.launch import launch, resolved
+    from hydraddp.launch import resolved
 
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
@@ -112,7 +121,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         combo = combination_of(cfg)
         tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size)
-        tracker.start()  # mlflow imports and the run is created while the workers start
+        tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
+    from hydraddp.distributed import WorkerFailedError
+    from hydraddp.launch import launch
+
     events_path = tracker.events_path if tracker else None
     try:
         rank, result = launch(plain, job_dir, events_path)
@@ -132,6 +144,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         tracker.finish(FINISHED, timeout_s=cfg.tracking.flush_timeout_s)
         result["run_id"] = tracker.run_id
     if rank == 0:  # under torchrun every rank gets here; one report is enough
+        (job_dir / RESULT_FILE).write_text(json.dumps({**result, "run_id": result.get("run_id")}, indent=1))
         run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
               f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
@@ -139,8 +152,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return {**outcome, "status": "ok", **result}
 
 
-def main(hydra_main: Any, argv: list[str]) -> None:
-    """Run Hydra's main with the contract's exit codes: a config Hydra cannot compose exits 2, Ctrl-C 130."""
+def main(hydra_main: Any, argv: list[str], started_at: float | None = None) -> None:
+    """Run Hydra's main with the contract's exit codes: a config Hydra cannot compose exits 2, Ctrl-C 130.
+
+    ``started_at``: when the command started (``time.time()``), for ``perf/startup_s``.
+    """
+    _state["started_at"] = started_at
     sys.argv = prepare_argv(argv)
     try:
         hydra_main()

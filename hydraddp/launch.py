@@ -60,6 +60,7 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
         node_rank=launcher["node_rank"],
         rdzv_endpoint=launcher["rdzv_endpoint"],
         max_restarts=launcher["max_restarts"],
+        start_method=idist.worker_start_method(backend),
     )
 
 

@@ -20,7 +20,7 @@ _EXPORTS = {
                "check_compatibility", "resolve_wrap"),
     "env": ("LaunchEnv", "detect_launch_env", "free_port"),
     "horovod": ("has_hvd_support",),
-    "launcher": ("Parallel", "WorkerFailedError"),
+    "launcher": ("Parallel", "WorkerFailedError", "worker_start_method"),
     "native": ("native_backends_available",),
     "report": ("WrapReport", "wrap_report"),
 }

@@ -14,6 +14,9 @@ TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
 TAG_PARENT = "mlflow.parentRunId"
 
 LOSS, SAMPLES_PER_S, STEP_TIME_S, MFU = "train/loss", "perf/samples_per_s", "perf/step_time_s", "perf/mfu"
+STARTUP_S = "perf/startup_s"  # from the launch command to the end of the first optimizer step
+RUN_ID_FILE = "mlflow_run_id"  # in the job directory, once the tracker has created (or continued) the run
+LAUNCHED_AT_ENV = "HYDRADDP_LAUNCHED_AT"  # the command's start (time.time()), set for the workers to inherit
 EVAL_LOSS, EVAL_ACCURACY = "eval/loss", "eval/accuracy"
 SHARDING_FIELDS = ("param_numel", "param_bytes", "grad_bytes", "optim_state_bytes")
 PEAK_MEMORY = "memory/peak_bytes"

@@ -1,4 +1,4 @@
-"""One MLflow run per launch, driven from the launching process (or rank 0 under torchrun).
+"""One MLflow run per launch, driven from the tracker process (``hydraddp.tracking.process``).
 
 ``preflight`` checks the server without importing mlflow, before any worker starts. ``start`` imports
 mlflow and creates (or continues) the run in a background thread while the workers start, then tails
@@ -14,6 +14,7 @@ import os
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 
 log = logging.getLogger(__name__)
-RUN_ID_FILE = "mlflow_run_id"
+RUN_ID_FILE = names.RUN_ID_FILE
 SENT_OFFSET_FILE = "events.sent"
 BATCH = 1000  # MLflow's limit of metrics per log_batch
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
@@ -90,11 +91,12 @@ class LaunchRun:
         self._client: Any = None
 
     # -- the background thread -------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="hydraddp-mlflow", daemon=True)
+    def start(self, once_created: Callable[[], None] | None = None) -> None:
+        """Create the run and send the events in a thread; it calls ``once_created`` when the run exists."""
+        self._thread = threading.Thread(target=self._run, args=(once_created,), name="hydraddp-mlflow", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, once_created: Callable[[], None] | None) -> None:
         delay = 0.5
         while not self._created.is_set():
             try:
@@ -104,6 +106,8 @@ class LaunchRun:
                 if self._abort.wait(delay):
                     return
                 delay = min(delay * 2, 5.0)
+        if once_created is not None:
+            once_created()
         while True:
             stopping = self._stop.is_set()
             try:

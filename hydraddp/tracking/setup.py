@@ -9,7 +9,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hydraddp.tracking import names
-from hydraddp.tracking.run import LaunchRun, default_uri, preflight
+from hydraddp.tracking.process import TrackerProcess
+from hydraddp.tracking.run import default_uri, preflight
 
 PARENT_RUN_ENV = "HYDRADDP_PARENT_RUN_ID"  # set by a sweep for its jobs
 
@@ -19,8 +20,8 @@ def tracking_uri(cfg: DictConfig) -> str:
 
 
 def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrides: list[str],
-               realized_wrap: str, world_size: int) -> LaunchRun:
-    """The launch's run. Every ``${oc.env:...}`` value and every password/token/secret-looking key is masked
+               realized_wrap: str, world_size: int) -> TrackerProcess:
+    """The launch's run (its tracker process; ``start`` it). Every ``${oc.env:...}`` value and every password/token/secret-looking key is masked
     in the params, the config artifact, the overrides and the user's tags."""
     secrets = names.secret_paths(OmegaConf.to_container(cfg, resolve=False))
     config = names.redact(resolved, secrets)
@@ -36,9 +37,11 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
     if parent:
         tags[names.TAG_PARENT] = parent
     overrides = names.redact_overrides(overrides, secrets)
-    return LaunchRun(tracking_uri(cfg), cfg.tracking.experiment, job_dir, config, overrides, tags,
-                     run_id=cfg.tracking.run_id, run_name=" ".join(overrides) or None,
-                     resuming=bool(cfg.checkpoint.resume))
+    return TrackerProcess({
+        "uri": tracking_uri(cfg), "experiment": cfg.tracking.experiment, "job_dir": str(job_dir), "config": config,
+        "overrides": overrides, "tags": tags, "run_id": cfg.tracking.run_id, "run_name": " ".join(overrides) or None,
+        "resuming": bool(cfg.checkpoint.resume),
+    })
 
 
 __all__ = ["PARENT_RUN_ENV", "launch_run", "preflight", "tracking_uri"]

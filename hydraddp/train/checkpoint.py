@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hydraddp.distributed as idist
+
+# torch.distributed.checkpoint is imported where it is used: it pulls in DTensor (about 0.4 s per worker),
+# which a DDP run that never checkpoints has no use for before its first step.
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -123,6 +124,9 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     optim_tensors, param_groups = _split_optimizer(optim_sd)
     state = {"model": model_sd, "optim": optim_tensors}
@@ -145,6 +149,8 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def check_readable(path: Path) -> dict[str, Any]:
     """The checkpoint's DCP index, or a CheckpointError saying it is corrupt."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:
@@ -180,6 +186,9 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
     """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
     size wrote it (a collective). Returns the step and the metadata; restores this rank's RNG if saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     meta = read_meta(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates, sharded as this run shards them
     optim_tensors, param_groups = _split_optimizer(optim_sd)

@@ -35,8 +35,11 @@ class TrainResult:
     step_time_s: float
     eval_loss: float | None = None
     eval_accuracy: float | None = None
+    steady_samples_per_s: float = 0.0  # after the first WARMUP_STEPS steps, evaluation excluded
+    first_step_at: float = 0.0  # wall-clock time (time.time()) when the first optimizer step ended
     losses: dict[int, float] = field(default_factory=dict)  # logged step -> loss averaged over ranks
     reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's WrapReport after step 1
+    peak_memory_bytes: list[int] = field(default_factory=list)  # per rank (see peak_memory_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +73,15 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, flo
     model.train()
     loss_sum, correct, count = idist.all_reduce(totals).tolist()
     return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+# Steady-state throughput leaves out the first steps: they allocate, create the optimizer state and warm caches.
+WARMUP_STEPS = 10
+
+
+def _launched_at() -> float | None:
+    value = os.environ.get(names.LAUNCHED_AT_ENV)
+    return float(value) if value else None
 
 
 # Dense bf16 peak FLOP/s per device, for MFU; devices not listed report none rather than a guess.
@@ -134,10 +146,13 @@ class _Saver:
         final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
         if self.root is None or not (periodic or final):
             return
-        run_id_file = Path(self.job_dir, "mlflow_run_id") if self.job_dir else None
+        run_id_file = Path(self.job_dir, names.RUN_ID_FILE) if self.job_dir else None
         meta = {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "run_id": run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None,
+            # The tracker may create the run after this save (it yields the CPU to training): a resume
+            # then reads the run id from the job directory.
+            "job_dir": str(self.job_dir) if self.job_dir else None,
             "wrap": getattr(getattr(self.model, "_hydraddp_wrap", None), "wrap", None),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -185,6 +200,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
     saver = _Saver(cfg, job_dir, model, optimizer, scheduler, scaler)
     window_start, window_steps, window_samples = time.perf_counter(), 0, 0
+    steady_start, steady_samples, eval_seconds = None, 0, 0.0
+    warmup_end = start_step + min(WARMUP_STEPS, max(last_step - start_step - 1, 0))
     for step in range(start_step + 1, last_step + 1):
         inputs, targets = next(batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -212,7 +229,15 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             scheduler.step()
         window_steps += 1
         window_samples += inputs.shape[0] * world
+        if steady_start is not None:
+            steady_samples += inputs.shape[0] * world
+        if step == warmup_end:
+            steady_start = time.perf_counter()
         if step == start_step + 1:
+            result.first_step_at = time.time()
+            launched_at = _launched_at()
+            if events is not None and launched_at is not None:
+                events.metrics({names.STARTUP_S: result.first_step_at - launched_at}, step)
             # Grads and optimizer state exist now: the shard sizes are the real ones.
             result.reports = [r.to_dict() for r in idist.wrap_report(model, optimizer).gather()]
             if events is not None:
@@ -236,7 +261,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             log.info("step %d loss %.4f %.0f samples/s", step, mean_loss, result.samples_per_s)
             window_start, window_steps, window_samples = time.perf_counter(), 0, 0
         if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step:
+            eval_began = time.perf_counter()
             eval_loss, eval_accuracy = evaluate(model, eval_loader, device)
+            if steady_start is not None:
+                eval_seconds += time.perf_counter() - eval_began
             log.info("step %d eval loss %.4f accuracy %.3f", step, eval_loss, eval_accuracy)
             if events is not None:
                 events.metrics({names.EVAL_LOSS: eval_loss, names.EVAL_ACCURACY: eval_accuracy}, step)
@@ -245,9 +273,12 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             progress.update(1)
     if progress is not None:
         progress.close()
+    if steady_start is not None and steady_samples:
+        result.steady_samples_per_s = steady_samples / (time.perf_counter() - steady_start - eval_seconds)
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
     result.eval_loss, result.eval_accuracy = evaluate(model, eval_loader, device)
     peaks = idist.all_gather(peak_memory_bytes(device))
+    result.peak_memory_bytes = [int(p) for p in peaks]
     if events is not None:
         events.metrics({names.EVAL_LOSS: result.eval_loss, names.EVAL_ACCURACY: result.eval_accuracy,
                         **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)

@@ -28,5 +28,5 @@ def killed_during_save(local_rank: int, root: str) -> None:
         if idist.get_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint.dcp.save = save_then_die
+    dcp.save = save_then_die  # checkpoint imports torch.distributed.checkpoint when it saves: it sees this
     checkpoint.save(Path(root), 20, model, optimizer, {"config": {}})

@@ -1,0 +1,1 @@
+"""Side-by-side measurements of hydraddp against a plain torchrun script and PyTorch-Ignite (not tests)."""

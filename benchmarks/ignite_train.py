@@ -1,0 +1,84 @@
+"""The peer: the workload through PyTorch-Ignite, as its docs teach (Parallel, auto_*, an Engine).
+
+    python benchmarks/ignite_train.py --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workload  # noqa: E402
+
+
+def training(local_rank: int, args: argparse.Namespace) -> None:
+    world = idist.get_world_size()
+    model = idist.auto_model(workload.model(args.hidden))  # DDP over gloo
+    optimizer = idist.auto_optim(torch.optim.AdamW(model.parameters(), lr=workload.LR,
+                                                   weight_decay=workload.WEIGHT_DECAY))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    # Ignite's auto_dataloader takes the global batch and gives each rank its share.
+    loader = idist.auto_dataloader(workload.train_set(), batch_size=workload.BATCH_PER_RANK * world, shuffle=True,
+                                   drop_last=True)
+
+    def step(engine, batch):
+        inputs, targets = batch
+        loss = F.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), workload.GRAD_CLIP)
+        optimizer.step()
+        scheduler.step()
+        return loss.detach()
+
+    trainer = Engine(step)
+    clock = {"first_step_at": 0.0, "steady_start": None, "steady_samples": 0, "loss": float("nan")}
+    warmup_end = min(workload.WARMUP_STEPS, args.steps - 1)
+
+    @trainer.on(Events.EPOCH_STARTED)
+    def new_shuffle(engine):  # ignite's Engine leaves this to the user (its docs and common.py do it so)
+        loader.sampler.set_epoch(engine.state.epoch - 1)
+
+    @trainer.on(Events.ITERATION_COMPLETED)
+    def timing(engine):
+        iteration = engine.state.iteration
+        if clock["steady_start"] is not None:
+            clock["steady_samples"] += engine.state.batch[0].shape[0] * world
+        if iteration == warmup_end:
+            clock["steady_start"] = time.perf_counter()
+        if iteration == 1:
+            clock["first_step_at"] = time.time()
+        if iteration % args.log_every == 0 or iteration == args.steps:
+            clock["loss"] = idist.all_reduce(engine.state.output.clone()).item() / world
+
+    trainer.run(loader, max_iters=args.steps)
+    steady = clock["steady_samples"] / (time.perf_counter() - clock["steady_start"])
+    peaks = idist.all_gather(workload.peak_rss_bytes())
+    if idist.get_rank() == 0:
+        workload.write_result(args.out, {"first_step_at": clock["first_step_at"], "steady_samples_per_s": steady,
+                                         "final_loss": clock["loss"], "peak_memory_bytes": [int(p) for p in peaks]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, nargs="+", default=list(workload.HIDDEN))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    with idist.Parallel(backend="gloo", nproc_per_node=args.nproc) as parallel:
+        parallel.run(training, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Measure hydraddp side by side with a plain torchrun script and PyTorch-Ignite, and print the ratios.
+
+    .venv/bin/python benchmarks/run.py            # about 10 minutes on 2 cores; writes results.json, RESULTS.md
+    .venv/bin/python benchmarks/run.py --pairs 7  # more rounds
+    .venv/bin/python benchmarks/run.py --smoke --json /tmp/r.json --no-markdown   # seconds: does the harness run?
+
+Every figure is a ratio of two runs taken in the same round. Rounds interleave the variants (the order flips
+every round, so a drift in the machine's speed hits both sides alike), and each figure reports the
+min / median / max of its per-round ratios. Nothing here is a test: these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import workload  # noqa: E402
+
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+NPROC = 2
+BIG_HIDDEN = (4096,) * 7  # about 101M parameters: the peak-RSS comparison
+
+
+@dataclass(frozen=True)
+class Settings:
+    pairs: int = 5
+    steps: int = 70  # WARMUP_STEPS, then the steady state
+    hidden: tuple[int, ...] = workload.HIDDEN
+    big_hidden: tuple[int, ...] = BIG_HIDDEN
+    big_steps: int = 3
+    import_pairs: int = 10
+
+
+SMOKE = Settings(pairs=1, steps=12, hidden=(32, 32), big_hidden=(64, 64), big_steps=2, import_pairs=1)
+
+
+@dataclass
+class Variant:
+    """One program, run once per round in a new ``run_dir``: ``command(run_dir)`` gives its argv; its rank 0
+    leaves a result file. (hydraddp overrides may say ``{run_dir}``.)"""
+
+    name: str
+    what: str
+    command: Callable[[Path], list[str]]
+    result_file: Callable[[Path], Path]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Measurement:
+    startup_s: float  # from starting the command to the end of the first optimizer step
+    wall_s: float
+    steady_samples_per_s: float
+    peak_memory_bytes: list[int]
+    shard_bytes: list[int]  # param + grad + optimizer state per rank (hydraddp's WrapReport)
+    final_loss: float
+
+
+def _hidden(hidden: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, hidden)) + "]"
+
+
+def hydraddp_variant(name: str, what: str, settings: Settings, *overrides: str, nproc: int = NPROC,
+                     hidden: tuple[int, ...] | None = None, steps: int | None = None,
+                     env: dict[str, str] | None = None) -> Variant:
+    def command(run_dir: Path) -> list[str]:
+        return [PYTHON, "-m", "hydraddp", f"hydra.run.dir={run_dir}", f"launcher.nproc_per_node={nproc}",
+                f"model.hidden={_hidden(hidden or settings.hidden)}",
+                f"data.batch_size={workload.BATCH_PER_RANK * nproc}", f"trainer.max_steps={steps or settings.steps}",
+                "trainer.eval_every=0", *(o.format(run_dir=run_dir) for o in overrides)]
+
+    return Variant(name, what, command, lambda run_dir: run_dir / "result.json", env or {})
+
+
+def plain_variant(name: str, what: str, settings: Settings, *args: str, nproc: int = NPROC,
+                  env: dict[str, str] | None = None) -> Variant:
+    def command(run_dir: Path) -> list[str]:
+        launcher = [TORCHRUN, f"--nproc_per_node={nproc}"] if nproc > 1 else [PYTHON]
+        return [*launcher, str(HERE / "plain_torchrun.py"), "--steps", str(settings.steps),
+                "--hidden", *map(str, settings.hidden), "--out", str(run_dir / "result.json"), *args]
+
+    return Variant(name, what, command, lambda run_dir: run_dir / "result.json", env or {})
+
+
+def ignite_variant(settings: Settings) -> Variant:
+    def command(run_dir: Path) -> list[str]:
+        return [PYTHON, str(HERE / "ignite_train.py"), "--nproc", str(NPROC), "--steps", str(settings.steps),
+                "--hidden", *map(str, settings.hidden), "--out", str(run_dir / "result.json")]
+
+    # torchrun's rule, which ignite's spawn does not apply: without it two ranks fight over each core.
+    return Variant("ignite-ddp", "PyTorch-Ignite Parallel + auto_model (DDP)", command,
+                   lambda run_dir: run_dir / "result.json", {"OMP_NUM_THREADS": "1"})
+
+
+def groups(settings: Settings, db_uri: str) -> dict[str, list[Variant]]:
+    """The variants, in groups whose members are interleaved round by round."""
+    off = "tracking.enabled=false"
+    every_step = ("trainer.log_every=1", f"tracking.uri={db_uri}")
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    return {
+        "ddp": [
+            plain_variant("plain-ddp", "plain torchrun script, DDP", settings, "--wrap", "ddp"),
+            ignite_variant(settings),
+            hydraddp_variant("hydraddp-ddp", "hydraddp wrap=ddp, tracking off", settings, "wrap=ddp", off),
+            hydraddp_variant("hydraddp-ddp-mlflow", "hydraddp ddp, MLflow (database exists), logging every step",
+                             settings, "wrap=ddp", *every_step),
+            hydraddp_variant("hydraddp-ddp-mlflow-fresh", "hydraddp ddp, MLflow into a new database, every step",
+                             settings, "wrap=ddp", "trainer.log_every=1", "tracking.uri=sqlite:///{run_dir}/new.db"),
+            plain_variant("plain-1proc", "plain script, one process, one thread", settings, "--wrap", "none",
+                          nproc=1, env=one_thread),
+            hydraddp_variant("hydraddp-1proc", "hydraddp backend=none, one process, one thread", settings,
+                             "backend=none", "wrap=none", off, nproc=1, env=one_thread),
+        ],
+        "fsdp": [
+            hydraddp_variant("hydraddp-fsdp2", "hydraddp wrap=fsdp2 (default auto-wrap)", settings, "wrap=fsdp2", off),
+            plain_variant("plain-fsdp2-root", "plain script, fully_shard(model)", settings, "--wrap", "fsdp2",
+                          "--units", "root"),
+            plain_variant("plain-fsdp2-linear", "plain script, fully_shard on every Linear", settings, "--wrap",
+                          "fsdp2", "--units", "linear"),
+            hydraddp_variant("hydraddp-fsdp", "hydraddp wrap=fsdp (FSDP1)", settings, "wrap=fsdp", off),
+        ],
+        "memory": [
+            hydraddp_variant(f"hydraddp-{wrap}-100M", f"hydraddp wrap={wrap}, ~100M-parameter MLP", settings,
+                             f"wrap={wrap}", off, "trainer.log_every=1", hidden=settings.big_hidden,
+                             steps=settings.big_steps)
+            for wrap in ("ddp", "fsdp2")
+        ],
+    }
+
+
+def measure(variant: Variant, work: Path) -> Measurement:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{variant.name}-", dir=work))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(variant.env)
+    began = time.time()
+    proc = subprocess.run(variant.command(run_dir), cwd=work, env=env, capture_output=True, text=True)
+    wall = time.time() - began
+    if proc.returncode != 0:
+        sys.exit(f"benchmarks: {variant.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(variant.result_file(run_dir).read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shards = [r["param_bytes"] + r["grad_bytes"] + r["optim_state_bytes"] for r in result.get("reports", [])]
+    return Measurement(result["first_step_at"] - began, wall, result["steady_samples_per_s"],
+                       result["peak_memory_bytes"], shards, result["final_loss"])
+
+
+def import_seconds(statement: str) -> float:
+    began = time.perf_counter()
+    subprocess.run([PYTHON, "-c", statement], check=True, cwd=ROOT)
+    return time.perf_counter() - began
+
+
+IMPORTS = {
+    "import-torch": "import torch",
+    "import-hydraddp": "import hydraddp",
+    "import-hydraddp-core": "from hydraddp.distributed import auto_model",
+}
+
+
+def run_rounds(variants: list[Variant], rounds: int, work: Path, log: Callable[[str], None]) -> dict[str, list]:
+    results: dict[str, list] = {v.name: [] for v in variants}
+    for index in range(rounds):
+        order = variants if index % 2 == 0 else variants[::-1]
+        for variant in order:
+            m = measure(variant, work)
+            results[variant.name].append(m)
+            log(f"  round {index + 1}/{rounds} {variant.name:28s} start {m.startup_s:5.2f} s  "
+                f"steady {m.steady_samples_per_s:8.0f} samples/s")
+    return results
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    label: str
+    target: str  # ">= 0.99", "<= 1.10", or "" (reported)
+    ratios: list[float]
+
+    def verdict(self) -> str:
+        if not self.target:
+            return "reported"
+        op, bound = self.target.split()
+        median = statistics.median(self.ratios)
+        ok = median >= float(bound) if op == ">=" else median <= float(bound)
+        return "met" if ok else "MISSED"
+
+
+def figures(r: dict[str, list[Measurement]], imports: dict[str, list[float]]) -> list[Figure]:
+    def per_round(a: str, b: str, fa: Callable, fb: Callable | None = None) -> list[float]:
+        return [fa(x) / (fb or fa)(y) for x, y in zip(r.get(a, []), r.get(b, []))]
+
+    steady = lambda m: m.steady_samples_per_s  # noqa: E731
+    startup = lambda m: m.startup_s  # noqa: E731
+    max_shard = lambda m: max(m.shard_bytes)  # noqa: E731
+    max_peak = lambda m: max(m.peak_memory_bytes)  # noqa: E731
+    every = [
+        Figure("steady_ddp", "samples/s, ddp: hydraddp / plain", ">= 0.99", per_round("hydraddp-ddp", "plain-ddp", steady)),
+        Figure("steady_fsdp2", "samples/s, fsdp2 (same units): hydraddp / plain", ">= 0.99",
+               per_round("hydraddp-fsdp2", "plain-fsdp2-root", steady)),
+        Figure("steady_ignite", "samples/s, ddp: ignite / plain", "", per_round("ignite-ddp", "plain-ddp", steady)),
+        Figure("startup_mlflow", "start to 1st step: hydraddp+MLflow (db exists) / plain", "<= 1.10",
+               per_round("hydraddp-ddp-mlflow", "plain-ddp", startup)),
+        Figure("startup_fresh_db", "start to 1st step: hydraddp+MLflow (new db) / plain", "",
+               per_round("hydraddp-ddp-mlflow-fresh", "plain-ddp", startup)),
+        Figure("startup_off", "start to 1st step: hydraddp, tracking off / plain", "",
+               per_round("hydraddp-ddp", "plain-ddp", startup)),
+        Figure("startup_ignite", "start to 1st step: ignite / plain", "", per_round("ignite-ddp", "plain-ddp", startup)),
+        Figure("scaling_hydraddp", "ddp scaling: hydraddp 2 ranks / (2 x 1 proc, 1 thread)", ">= 0.92",
+               per_round("hydraddp-ddp", "hydraddp-1proc", steady, lambda m: 2 * m.steady_samples_per_s)),
+        Figure("scaling_plain", "ddp scaling: plain 2 ranks / (2 x 1 proc, 1 thread)", "",
+               per_round("plain-ddp", "plain-1proc", steady, lambda m: 2 * m.steady_samples_per_s)),
+        Figure("fsdp2_autowrap", "samples/s: hydraddp fsdp2 default / fully_shard per Linear", ">= 1.2",
+               per_round("hydraddp-fsdp2", "plain-fsdp2-linear", steady)),
+        Figure("shard_fsdp2", "p+g+optim bytes per rank: fsdp2 / ddp", "<= 0.51",
+               per_round("hydraddp-fsdp2", "hydraddp-ddp", max_shard)),
+        Figure("shard_fsdp", "p+g+optim bytes per rank: fsdp / ddp", "<= 0.51",
+               per_round("hydraddp-fsdp", "hydraddp-ddp", max_shard)),
+        Figure("peak_rss_100m", "peak RSS per rank, ~100M params: fsdp2 / ddp", "",
+               per_round("hydraddp-fsdp2-100M", "hydraddp-ddp-100M", max_peak)),
+        Figure("logging_cost", "samples/s: MLflow every step / tracking off", ">= 0.99",
+               per_round("hydraddp-ddp-mlflow", "hydraddp-ddp", steady)),
+        Figure("import_cost", "import hydraddp / import torch", "<= 1.05",
+               [a / b for a, b in zip(imports["import-hydraddp"], imports["import-torch"])]),
+        Figure("import_core", "import hydraddp.distributed.auto_model / import torch", "",
+               [a / b for a, b in zip(imports["import-hydraddp-core"], imports["import-torch"])]),
+    ]
+    return [f for f in every if f.ratios]  # --only leaves some out
+
+
+def machine() -> dict[str, str]:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "commit": commit.stdout.strip(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def table(figs: list[Figure]) -> str:
+    rows = ["| figure | target | min | median | max | pairs | |", "|---|---|---|---|---|---|---|"]
+    for f in figs:
+        s = spread(f.ratios)
+        rows.append(f"| {f.label} | {f.target or '-'} | {s['min']:.3f} | {s['median']:.3f} | {s['max']:.3f} | "
+                    f"{s['n']} | {f.verdict()} |")
+    return "\n".join(rows)
+
+
+def absolutes(r: dict[str, list[Measurement]], descriptions: dict[str, str]) -> str:
+    rows = ["| variant | start to 1st step (s) | steady samples/s | peak RSS per rank (MB) | p+g+optim per rank (MB) |",
+            "|---|---|---|---|---|"]
+    for name, ms in r.items():
+        shard = f"{statistics.median(max(m.shard_bytes) for m in ms) / 2**20:.1f}" if ms[0].shard_bytes else "-"
+        rows.append(f"| {name}: {descriptions[name]} | {statistics.median(m.startup_s for m in ms):.2f} | "
+                    f"{statistics.median(m.steady_samples_per_s for m in ms):,.0f} | "
+                    f"{statistics.median(max(m.peak_memory_bytes) for m in ms) / 2**20:,.0f} | {shard} |")
+    return "\n".join(rows)
+
+
+BEGIN, END = "<!-- benchmarks/run.py writes from here -->", "<!-- to here -->"
+
+
+def update_markdown(path: Path, text: str) -> None:
+    """Replace the generated block of RESULTS.md; the analysis around it is written by hand and kept."""
+    old = path.read_text() if path.exists() else f"# Benchmark results\n\n{BEGIN}\n{END}\n"
+    head, _, rest = old.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=Settings.pairs, help="rounds (A/B pairs) per figure, at least 5")
+    parser.add_argument("--smoke", action="store_true", help="a tiny configuration, one round: the harness runs")
+    parser.add_argument("--json", type=Path, default=HERE / "results.json")
+    parser.add_argument("--markdown", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--no-markdown", dest="markdown", action="store_const", const=None)
+    parser.add_argument("--only", help="comma-separated groups (ddp, fsdp, memory, imports); implies --no-markdown")
+    args = parser.parse_args(argv)
+    settings = SMOKE if args.smoke else Settings(pairs=args.pairs)
+    only = set(args.only.split(",")) if args.only else None
+    if only:
+        args.markdown = None  # RESULTS.md holds whole runs only
+    log = lambda line: print(line, flush=True)  # noqa: E731
+
+    began = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="hydraddp-bench-"))
+    try:
+        db_uri = f"sqlite:///{work}/mlflow.db"
+        plan = groups(settings, db_uri)
+        descriptions = {v.name: v.what for vs in plan.values() for v in vs}
+        # One untimed run of each program: page cache, compiled bytecode, and the database that "exists".
+        log("warm-up")
+        for variant in (plan["ddp"][0], plan["ddp"][1], plan["ddp"][3]):
+            measure(variant, work)
+        results: dict[str, list[Measurement]] = {}
+        for name, variants in plan.items():
+            if only and name not in only:
+                continue
+            rounds = settings.pairs if name != "memory" else min(settings.pairs, 2)
+            log(f"{name}: {len(variants)} variants x {rounds} rounds")
+            results.update(run_rounds(variants, rounds, work, log))
+        imports: dict[str, list[float]] = {name: [] for name in IMPORTS}
+        for index in range(settings.import_pairs if not only or "imports" in only else 0):
+            for name, statement in (IMPORTS.items() if index % 2 == 0 else reversed(IMPORTS.items())):
+                imports[name].append(import_seconds(statement))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    figs = figures(results, imports)
+    info = machine()
+    header = (f"Measured {info['date']} on {info['cpu']} ({info['cores']} cores), Python {info['python']}, "
+              f"torch {info['torch']}, hydraddp {info['commit']}; CPU, gloo, {NPROC} ranks; "
+              f"{settings.pairs} interleaved rounds; {time.perf_counter() - began:.0f} s in all.")
+    imports_row = " ".join(f"{name} {statistics.median(v):.2f} s;" for name, v in imports.items() if v)
+    text = (f"{header}\n\n{table(figs)}\n\nMedians per variant:\n\n{absolutes(results, descriptions)}\n\n"
+            f"Import times (median): {imports_row}\n")
+    print("\n" + text)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "machine": info, "settings": settings.__dict__,
+        "figures": [{"key": f.key, "label": f.label, "target": f.target, "verdict": f.verdict(),
+                     **spread(f.ratios), "ratios": f.ratios} for f in figs],
+        "variants": {name: [m.__dict__ for m in ms] for name, ms in results.items()},
+        "imports_s": imports,
+    }, indent=1))
+    if args.markdown is not None:
+        update_markdown(args.markdown, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

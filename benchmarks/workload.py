@@ -1,0 +1,45 @@
+"""The workloads every peer trains: hydraddp's own defaults, spelled out for the scripts that do it by hand.
+
+MLP 64 -> 4 x 1024 -> 10 on scikit-learn's digits, 64 samples per rank, AdamW (lr 3e-3, weight decay 0.01)
+with a cosine schedule, gradient clipping at 1.0, seed 0. The timing rules match hydraddp's loop:
+the first optimizer step's wall-clock time, and steady-state samples/s after WARMUP_STEPS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+
+HIDDEN = (1024, 1024, 1024, 1024)
+BATCH_PER_RANK = 64
+LR, WEIGHT_DECAY, GRAD_CLIP, SEED = 0.003, 0.01, 1.0, 0
+WARMUP_STEPS = 10  # as hydraddp.train.loop.WARMUP_STEPS
+
+# The GPU benchmark's GPT (about 150M parameters) on generated text, bf16.
+GPT_SHAPE = {"dim": 1024, "depth": 12, "heads": 16, "seq_len": 512, "batch_per_gpu": 16, "num_chars": 4_000_000}
+
+
+def model(hidden=HIDDEN):
+    """The same module hydraddp builds for model=mlp (identical initialization under the seed)."""
+    import torch
+
+    from hydraddp.models.mlp import MLP
+
+    torch.manual_seed(SEED)
+    return MLP(in_features=64, hidden=list(hidden), num_classes=10)
+
+
+def train_set():
+    from hydraddp.data.digits import digits
+
+    return digits(eval_fraction=0.15, seed=0)[0]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def write_result(path: str | os.PathLike, result: dict) -> None:
+    Path(path).write_text(json.dumps(result))

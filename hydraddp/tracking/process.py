@@ -1,0 +1,98 @@
+"""The launch's MLflow run, kept in a process of its own.
+
+Importing mlflow and creating a run costs about 1.5 CPU-seconds. In a thread of the launcher that work
+competed for the GIL with the launcher's own ``import torch``. As its own process it starts before the
+launcher imports torch, on the core the launcher leaves idle, and has created the run by the time the
+ranks take their first step. From then on it only sends batches of events, under ``SCHED_IDLE`` (Linux):
+it takes what the ranks leave, and a rank that wakes preempts it at once. (Deferring the import itself
+to idle time was tried: it then landed in the ranks' first seconds of training and cost them 5-10%.)
+
+The launcher sends two JSON lines on the tracker's stdin: the run's settings at start, the final status
+at the end. The tracker writes the run id to ``<job dir>/mlflow_run_id`` and prints, like the launcher
+would, what to do when the server never came back. If the launcher dies, stdin closes and the run is
+marked KILLED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydraddp.tracking import names
+from hydraddp.tracking.events import EVENTS_FILE
+from hydraddp.tracking.run import KILLED, LaunchRun
+
+
+class TrackerProcess:
+    """The launcher's handle on the tracker: ``start``, then ``finish`` with the status the launch ended with."""
+
+    def __init__(self, settings: dict[str, Any]):
+        self.settings = settings  # LaunchRun's keyword arguments, as JSON
+        self.uri, self.job_dir = settings["uri"], Path(settings["job_dir"])
+        self.events_path = self.job_dir / EVENTS_FILE
+        self._proc: subprocess.Popen | None = None
+        self._started_at = 0.0
+
+    def start(self) -> None:
+        self._started_at = time.time()
+        # Its own session: a Ctrl-C reaches the launcher, which decides the status and tells the tracker.
+        self._proc = subprocess.Popen([sys.executable, "-m", "hydraddp.tracking.process"], stdin=subprocess.PIPE,
+                                      text=True, start_new_session=True)
+        self._send({"settings": self.settings})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the tracker is gone; finish() reports it
+
+    @property
+    def run_id(self) -> str | None:
+        path = self.job_dir / names.RUN_ID_FILE
+        if path.exists() and path.stat().st_mtime >= self._started_at - 1:  # this launch's, not a stale file
+            return path.read_text().strip()
+        return self.settings.get("run_id")
+
+    def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
+        """Tell the tracker how the launch ended and wait until it has sent everything (or given up)."""
+        assert self._proc is not None
+        self._send({"status": status, "error": error, "timeout_s": timeout_s})
+        self._proc.stdin.close()
+        try:
+            # The tracker waits timeout_s for the server, then writes the events' fate; allow for both.
+            return self._proc.wait(timeout=timeout_s + 60) == 0
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+            print(f"hydraddp: the MLflow tracker did not finish; the events stay in {self.events_path}", flush=True)
+            return False
+
+
+def _yield_cpu() -> None:
+    """The calling thread runs only when a core would otherwise idle (on Linux a thread has its own policy)."""
+    if sys.platform == "linux":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher reports an interrupt as KILLED
+    settings = json.loads(sys.stdin.readline())["settings"]
+    run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
+    run.start(once_created=_yield_cpu)
+    line = sys.stdin.readline()
+    request = json.loads(line) if line.strip() else {
+        "status": KILLED, "error": "the launching process ended without saying how the launch ended"}
+    ok = run.finish(request["status"], request.get("error"), request.get("timeout_s", 60.0))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The benchmark harness runs (a tiny configuration, one round). Speed is never asserted here: these
+machines are shared and noisy; benchmarks/run.py measures it side by side (benchmarks/RESULTS.md)."""
+
+import json
+import sys
+
+import pytest
+
+from benchmarks.run import BEGIN, END
+from tests.helpers.spawn import REPO, run_process
+
+FIGURES = {"steady_ddp", "steady_fsdp2", "steady_ignite", "startup_mlflow", "startup_fresh_db", "startup_off",
+           "startup_ignite", "scaling_hydraddp", "scaling_plain", "fsdp2_autowrap", "shard_fsdp2", "shard_fsdp",
+           "peak_rss_100m", "logging_cost", "import_cost", "import_core"}
+
+
+def test_the_harness_measures_every_figure_and_the_peers_train_the_same_model(tmp_path):
+    results, markdown = tmp_path / "results.json", tmp_path / "RESULTS.md"
+    markdown.write_text(f"# Results\n\nwritten by hand\n\n{BEGIN}\nold table\n{END}\n\nanalysis by hand\n")
+    done = run_process([sys.executable, "benchmarks/run.py", "--smoke", "--json", str(results), "--markdown",
+                        str(markdown)], cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(results.read_text())
+    figures = {f["key"]: f for f in report["figures"]}
+    assert set(figures) == FIGURES
+    for figure in figures.values():
+        assert figure["n"] >= 1 and all(r > 0 for r in figure["ratios"])
+        assert figure["min"] <= figure["median"] <= figure["max"]
+        assert figure["verdict"] in ("met", "MISSED", "reported")
+    # Fully sharded state is half of DDP's on 2 ranks: measured from the WrapReports, whatever the speed.
+    assert figures["shard_fsdp2"]["median"] == pytest.approx(0.5, abs=0.01)
+    # The peers are the same training: same model, data, seed and optimizer give the same final loss.
+    variants = report["variants"]
+    hydraddp_loss = variants["hydraddp-ddp"][0]["final_loss"]
+    for peer in ("plain-ddp", "ignite-ddp"):
+        assert variants[peer][0]["final_loss"] == pytest.approx(hydraddp_loss, rel=1e-4), peer
+    assert variants["plain-fsdp2-root"][0]["final_loss"] == pytest.approx(
+        variants["hydraddp-fsdp2"][0]["final_loss"], rel=1e-4)
+    # RESULTS.md: the generated block is replaced, the hand-written text around it kept.
+    text = markdown.read_text()
+    assert "written by hand" in text and "analysis by hand" in text and "old table" not in text
+    assert "| figure | target | min | median | max |" in text
