@@ -1,6 +1,6 @@
 """Measure hydraddp side by side with a plain torchrun script and PyTorch-Ignite, and print the ratios.
 
-    .venv/bin/python benchmarks/run.py            # about 10 minutes on 2 cores; writes results.json, RESULTS.md
+    .venv/bin/python benchmarks/run.py            # about 12 minutes on 2 cores; writes results.json, RESULTS.md
     .venv/bin/python benchmarks/run.py --pairs 7  # more rounds
     .venv/bin/python benchmarks/run.py --smoke --json /tmp/r.json --no-markdown   # seconds: does the harness run?
 
@@ -40,7 +40,7 @@ BIG_HIDDEN = (4096,) * 7  # about 101M parameters: the peak-RSS comparison
 @dataclass(frozen=True)
 class Settings:
     pairs: int = 5
-    steps: int = 70  # WARMUP_STEPS, then the steady state
+    steps: int = 130  # WARMUP_STEPS, then 120 steady steps: shorter windows left the noise at about 5%
     hidden: tuple[int, ...] = workload.HIDDEN
     big_hidden: tuple[int, ...] = BIG_HIDDEN
     big_steps: int = 3

@@ -1,6 +1,7 @@
 """python -m hydraddp end to end: real 2-process trainings, one job directory each, torchrun attach,
 two nodes on loopback, sweeps, Hydra's own flags, and the contract's exit codes."""
 
+import json
 import re
 import sys
 
@@ -32,6 +33,10 @@ def test_two_process_training_leaves_one_job_directory(tmp_path, wrap, precision
     assert f"auto_model: wrap={wrap} precision={precision}" in (job / "logs" / "rank1.log").read_text()
     saved = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
     assert (saved["wrap"]["name"], saved["precision"]["name"]) == (wrap, precision)
+    result = json.loads((job / "result.json").read_text())  # rank 0's result, as the done line says
+    assert (result["steps"], result["world_size"], round(result["final_loss"], 4)) == (steps, world, loss)
+    assert len(result["reports"]) == 2 and result["reports"][0]["wrapper"] == wrap
+    assert result["steady_samples_per_s"] > 0 and len(result["peak_memory_bytes"]) == 2
 
 
 def test_the_same_seed_gives_the_same_training(tmp_path):

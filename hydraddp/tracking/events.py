@@ -22,8 +22,9 @@ class EventWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
 
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
+    def metrics(self, values: dict[str, float], step: int, at: float | None = None) -> None:
+        """``at``: when the values were measured (``time.time()``), if not now."""
+        now = int((time.time() if at is None else at) * 1000)
         for key, value in values.items():
             self._file.write(json.dumps({"metric": key, "value": float(value), "step": step, "ts": now}) + "\n")
         self._file.flush()

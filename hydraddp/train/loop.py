@@ -79,6 +79,31 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, flo
 WARMUP_STEPS = 10
 
 
+SYNC_STEPS = 10
+
+
+@dataclass
+class _Logged:
+    """A logged step whose loss is not averaged over the ranks yet."""
+
+    step: int
+    loss: torch.Tensor  # this rank's, shape (1,)
+    perf: dict[str, float]
+    at: float  # time.time() of the step, for the metrics' timestamps
+
+
+def _report(logged: list[_Logged], result: TrainResult, events: EventWriter | None, progress) -> None:
+    """Average the losses of ``logged`` over the ranks in one all_reduce, then log and record every step."""
+    means = idist.all_reduce(torch.cat([entry.loss for entry in logged]), "AVERAGE").tolist()
+    for entry, mean_loss in zip(logged, means):
+        result.losses[entry.step] = mean_loss
+        if events is not None:
+            events.metrics({names.LOSS: mean_loss, **entry.perf}, entry.step, at=entry.at)
+        log.info("step %d loss %.4f %.0f samples/s", entry.step, mean_loss, entry.perf[names.SAMPLES_PER_S])
+    if progress is not None:
+        progress.set_postfix(loss=f"{means[-1]:.4f}", samples_per_s=f"{logged[-1].perf[names.SAMPLES_PER_S]:.0f}")
+
+
 def _launched_at() -> float | None:
     value = os.environ.get(names.LAUNCHED_AT_ENV)
     return float(value) if value else None
@@ -200,6 +225,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
     saver = _Saver(cfg, job_dir, model, optimizer, scheduler, scaler)
     window_start, window_steps, window_samples = time.perf_counter(), 0, 0
+    # Logged steps wait here for their loss to be averaged over the ranks: one all_reduce per SYNC_STEPS steps
+    # at most, so logging every step costs no synchronization at every step.
+    logged: list[_Logged] = []
+    sync_every = trainer.log_every * max(1, round(SYNC_STEPS / trainer.log_every))
     steady_start, steady_samples, eval_seconds = None, 0, 0.0
     warmup_end = start_step + min(WARMUP_STEPS, max(last_step - start_step - 1, 0))
     for step in range(start_step + 1, last_step + 1):
@@ -245,21 +274,17 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 if job_dir is not None:
                     write_report(job_dir, result.reports)
         if step % trainer.log_every == 0 or step == last_step:
-            mean_loss = idist.all_reduce(loss.detach().float().clone(), "AVERAGE").item()
             elapsed = time.perf_counter() - window_start
-            result.losses[step] = mean_loss
             result.samples_per_s, result.step_time_s = window_samples / elapsed, elapsed / window_steps
-            if events is not None:
-                metrics = {names.LOSS: mean_loss, names.SAMPLES_PER_S: result.samples_per_s,
-                           names.STEP_TIME_S: result.step_time_s}
-                if flops_per_token and device_flops and inputs.dim() > 1:
-                    tokens_per_s = result.samples_per_s * inputs.shape[1]
-                    metrics[names.MFU] = flops_per_token * tokens_per_s / (device_flops * world)
-                events.metrics(metrics, step)
-            if progress is not None:
-                progress.set_postfix(loss=f"{mean_loss:.4f}", samples_per_s=f"{result.samples_per_s:.0f}")
-            log.info("step %d loss %.4f %.0f samples/s", step, mean_loss, result.samples_per_s)
+            perf = {names.SAMPLES_PER_S: result.samples_per_s, names.STEP_TIME_S: result.step_time_s}
+            if flops_per_token and device_flops and inputs.dim() > 1:
+                tokens_per_s = result.samples_per_s * inputs.shape[1]
+                perf[names.MFU] = flops_per_token * tokens_per_s / (device_flops * world)
+            logged.append(_Logged(step, loss.detach().float().reshape(1), perf, time.time()))
             window_start, window_steps, window_samples = time.perf_counter(), 0, 0
+        if logged and (step % sync_every == 0 or step == last_step):
+            _report(logged, result, events, progress)
+            logged = []
         if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step:
             eval_began = time.perf_counter()
             eval_loss, eval_accuracy = evaluate(model, eval_loader, device)

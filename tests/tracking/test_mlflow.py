@@ -77,6 +77,9 @@ def test_fsdp2_rank_shards_are_half_of_ddp(ddp_and_fsdp2):
         assert fsdp2[f"{base}/mean"] == pytest.approx(sum(ranks) / 2)
     assert fsdp2["memory/peak_bytes/rank0"] > 50e6  # a real process RSS, not a placeholder
     assert {names.SAMPLES_PER_S, names.STEP_TIME_S, names.LOSS} <= set(fsdp2)
+    # From the command to the first optimizer step: more than importing torch takes, less than the whole run.
+    run = ddp_and_fsdp2["fsdp2"].info
+    assert 0.5 < fsdp2[names.STARTUP_S] < (run.end_time - run.start_time) / 1000 + 10
 
 
 def test_a_2x2_sweep_is_one_parent_with_four_finished_children(mlflow_server, tmp_path):
