@@ -144,7 +144,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         tracker.finish(FINISHED, timeout_s=cfg.tracking.flush_timeout_s)
         result["run_id"] = tracker.run_id
     if rank == 0:  # under torchrun every rank gets here; one report is enough
-        (job_dir / RESULT_FILE).write_text(json.dumps({**result, "run_id": result.get("run_id")}, indent=1))
+        (job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
         run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
               f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
