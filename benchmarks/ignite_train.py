@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import ignite.distributed as idist
@@ -41,8 +40,7 @@ def training(local_rank: int, args: argparse.Namespace) -> None:
         return loss.detach()
 
     trainer = Engine(step)
-    clock = {"first_step_at": 0.0, "steady_start": None, "steady_samples": 0, "loss": float("nan")}
-    warmup_end = min(workload.WARMUP_STEPS, args.steps - 1)
+    clock, last = workload.StepClock(args.steps), {"loss": float("nan")}
 
     @trainer.on(Events.EPOCH_STARTED)
     def new_shuffle(engine):  # ignite's Engine leaves this to the user (its docs and common.py do it so)
@@ -51,21 +49,16 @@ def training(local_rank: int, args: argparse.Namespace) -> None:
     @trainer.on(Events.ITERATION_COMPLETED)
     def timing(engine):
         iteration = engine.state.iteration
-        if clock["steady_start"] is not None:
-            clock["steady_samples"] += engine.state.batch[0].shape[0] * world
-        if iteration == warmup_end:
-            clock["steady_start"] = time.perf_counter()
-        if iteration == 1:
-            clock["first_step_at"] = time.time()
+        clock.step_done(iteration, engine.state.batch[0].shape[0] * world)
         if iteration % args.log_every == 0 or iteration == args.steps:
-            clock["loss"] = idist.all_reduce(engine.state.output.clone()).item() / world
+            last["loss"] = idist.all_reduce(engine.state.output.clone()).item() / world
 
     trainer.run(loader, max_iters=args.steps)
-    steady = clock["steady_samples"] / (time.perf_counter() - clock["steady_start"])
+    steady = clock.steady_samples_per_s()
     peaks = idist.all_gather(workload.peak_rss_bytes())
     if idist.get_rank() == 0:
-        workload.write_result(args.out, {"first_step_at": clock["first_step_at"], "steady_samples_per_s": steady,
-                                         "final_loss": clock["loss"], "peak_memory_bytes": [int(p) for p in peaks]})
+        workload.write_result(args.out, {"first_step_at": clock.first_step_at, "steady_samples_per_s": steady,
+                                         "final_loss": last["loss"], "peak_memory_bytes": [int(p) for p in peaks]})
 
 
 def main() -> None:

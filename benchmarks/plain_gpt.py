@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -68,8 +67,7 @@ def main() -> None:
             yield from loader
             epoch += 1
 
-    warmup_end = min(workload.WARMUP_STEPS, args.steps - 1)
-    first_step_at, steady_start, steady_samples = 0.0, None, 0
+    clock = workload.StepClock(args.steps)
     stream = batches()
     for step in range(1, args.steps + 1):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(stream))
@@ -81,24 +79,19 @@ def main() -> None:
         nn.utils.clip_grad_norm_(model.parameters(), workload.GRAD_CLIP)
         optimizer.step()
         scheduler.step()
-        if steady_start is not None:
-            steady_samples += inputs.shape[0] * world
-        if step == warmup_end:
-            steady_start = time.perf_counter()
-        if step == 1:
-            first_step_at = time.time()
+        clock.step_done(step, inputs.shape[0] * world)
         if step % args.log_every == 0 or step == args.steps:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             mean.item()
-    steady = steady_samples / (time.perf_counter() - steady_start)
+    steady = clock.steady_samples_per_s()
     peak = torch.cuda.max_memory_allocated(device)
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     dist.barrier()  # no rank tears the group down while a peer still talks to it
     dist.destroy_process_group()
     if rank == 0:
-        workload.write_result(args.out, {"first_step_at": first_step_at, "steady_samples_per_s": steady,
+        workload.write_result(args.out, {"first_step_at": clock.first_step_at, "steady_samples_per_s": steady,
                                          "final_loss": float("nan"), "peak_memory_bytes": peaks,
                                          "flops_per_token": flops_per_token})
 

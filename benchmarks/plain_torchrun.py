@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -66,8 +65,7 @@ def main() -> None:
             yield from loader
             epoch += 1
 
-    warmup_end = min(workload.WARMUP_STEPS, args.steps - 1)
-    first_step_at, steady_start, steady_samples, loss_value = 0.0, None, 0, float("nan")
+    clock, loss_value = workload.StepClock(args.steps), float("nan")
     stream = batches()
     for step in range(1, args.steps + 1):
         inputs, targets = next(stream)
@@ -77,19 +75,14 @@ def main() -> None:
         nn.utils.clip_grad_norm_(model.parameters(), workload.GRAD_CLIP)
         optimizer.step()
         scheduler.step()
-        if steady_start is not None:
-            steady_samples += inputs.shape[0] * world
-        if step == warmup_end:
-            steady_start = time.perf_counter()
-        if step == 1:
-            first_step_at = time.time()
+        clock.step_done(step, inputs.shape[0] * world)
         if step % args.log_every == 0 or step == args.steps:
             mean = loss.detach().clone()
             if distributed:
                 dist.all_reduce(mean)
                 mean /= world
             loss_value = mean.item()
-    steady = steady_samples / (time.perf_counter() - steady_start)
+    steady = clock.steady_samples_per_s()
     peaks = [workload.peak_rss_bytes()]
     if distributed:
         gathered = [None] * world
@@ -98,7 +91,7 @@ def main() -> None:
         dist.barrier()  # no rank tears the group down while a peer still talks to it
         dist.destroy_process_group()
     if rank == 0:
-        workload.write_result(args.out, {"first_step_at": first_step_at, "steady_samples_per_s": steady,
+        workload.write_result(args.out, {"first_step_at": clock.first_step_at, "steady_samples_per_s": steady,
                                          "final_loss": loss_value, "peak_memory_bytes": peaks})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 from pathlib import Path
 
 HIDDEN = (1024, 1024, 1024, 1024)
@@ -43,3 +44,26 @@ def peak_rss_bytes() -> int:
 
 def write_result(path: str | os.PathLike, result: dict) -> None:
     Path(path).write_text(json.dumps(result))
+
+
+class StepClock:
+    """hydraddp's loop's timing rules, for the peers: when the first optimizer step ended (wall clock), and
+    samples/s over the steps after WARMUP_STEPS."""
+
+    def __init__(self, steps: int):
+        self.warmup_end = min(WARMUP_STEPS, steps - 1)
+        self.first_step_at = 0.0
+        self._steady_start: float | None = None
+        self._steady_samples = 0
+
+    def step_done(self, step: int, samples: int) -> None:
+        """Call right after optimizer and scheduler step ``step`` (from 1), with the samples of all ranks."""
+        if self._steady_start is not None:
+            self._steady_samples += samples
+        if step == self.warmup_end:
+            self._steady_start = time.perf_counter()
+        if step == 1:
+            self.first_step_at = time.time()
+
+    def steady_samples_per_s(self) -> float:
+        return self._steady_samples / (time.perf_counter() - self._steady_start)

@@ -111,7 +111,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             sys.exit(EXIT_INVALID)
         return {**outcome, "status": "invalid", "error": str(found[0])}
 
-    from hydraddp.launch import resolved
+    from hydraddp.launch import launch, resolved
 
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
@@ -122,8 +122,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         combo = combination_of(cfg)
         tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size)
         tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
-    from hydraddp.distributed import WorkerFailedError
-    from hydraddp.launch import launch
+    from hydraddp.distributed import WorkerFailedError  # imports torch: after the tracker has started
 
     events_path = tracker.events_path if tracker else None
     try:

@@ -46,13 +46,15 @@ class TrackerProcess:
                                       text=True, start_new_session=True)
         self._send({"settings": self.settings})
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any]) -> bool:
+        """False when the tracker is gone (it died): ``finish`` then says so."""
         assert self._proc is not None and self._proc.stdin is not None
         try:
             self._proc.stdin.write(json.dumps(message) + "\n")
             self._proc.stdin.flush()
+            return True
         except BrokenPipeError:
-            pass  # the tracker is gone; finish() reports it
+            return False
 
     @property
     def run_id(self) -> str | None:
@@ -63,17 +65,26 @@ class TrackerProcess:
 
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
         """Tell the tracker how the launch ended and wait until it has sent everything (or given up)."""
-        assert self._proc is not None
-        self._send({"status": status, "error": error, "timeout_s": timeout_s})
-        self._proc.stdin.close()
+        assert self._proc is not None and self._proc.stdin is not None
+        told = self._send({"status": status, "error": error, "timeout_s": timeout_s})
+        try:
+            self._proc.stdin.close()
+        except BrokenPipeError:
+            told = False
         try:
             # The tracker waits timeout_s for the server, then writes the events' fate; allow for both.
-            return self._proc.wait(timeout=timeout_s + 60) == 0
+            code = self._proc.wait(timeout=timeout_s + 60)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.wait()
-            print(f"hydraddp: the MLflow tracker did not finish; the events stay in {self.events_path}", flush=True)
-            return False
+            code = self._proc.wait()
+            told = False
+        if code == 0:
+            return True
+        if not told:  # a tracker that gave up on the server has printed what to do; a dead one has not
+            print(f"hydraddp: the MLflow tracker ended early (exit {code}); the events stay in {self.events_path}. "
+                  f"Send them with: python -m hydraddp.tracking.sync {self.job_dir} --uri {self.uri} "
+                  f"--status {status}", flush=True)
+        return False
 
 
 def _yield_cpu() -> None:

@@ -24,7 +24,6 @@ from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 
 log = logging.getLogger(__name__)
-RUN_ID_FILE = names.RUN_ID_FILE
 SENT_OFFSET_FILE = "events.sent"
 BATCH = 1000  # MLflow's limit of metrics per log_batch
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
@@ -143,7 +142,7 @@ class LaunchRun:
             client.log_batch(self.run_id, params=chunk, tags=[RunTag(k, v) for k, v in self.tags.items()] if i == 0 else [])
         client.log_text(self.run_id, yaml.safe_dump(self.config, sort_keys=False), "config.yaml")
         client.log_text(self.run_id, yaml.safe_dump(self.overrides), "overrides.yaml")
-        (self.job_dir / RUN_ID_FILE).write_text(self.run_id)
+        (self.job_dir / names.RUN_ID_FILE).write_text(self.run_id)
         self._created.set()
         log.info("MLflow run %s at %s", self.run_id, self.uri)
 
@@ -213,7 +212,7 @@ class LaunchRun:
 
 def sync(job_dir: Path, uri: str, status: str | None) -> int:
     """Send a job directory's events to its run (the command ``finish`` prints when a server stayed away)."""
-    run_id = (job_dir / RUN_ID_FILE).read_text().strip()
+    run_id = (job_dir / names.RUN_ID_FILE).read_text().strip()
     run = LaunchRun(uri, "", job_dir, {}, [], {}, run_id=run_id)
     run._client = mlflow_client(uri)
     run._created.set()
