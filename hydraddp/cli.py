@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hydraddp.config.overrides import normalize_overrides
-from hydraddp.distributed.env import detect_launch_env
+from hydraddp.distributed.env import detect_launch_env, slurm_allocation_outside_step
 from hydraddp.tracking import names
 
 EXIT_OK, EXIT_WORKER_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -111,6 +111,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             sys.exit(EXIT_INVALID)
         return {**outcome, "status": "invalid", "error": str(found[0])}
 
+    slurm_job = slurm_allocation_outside_step()
+    if slurm_job is not None:
+        print(f"hydraddp: in Slurm job {slurm_job} but not in an srun step: launching "
+              f"{cfg.launcher.nproc_per_node} local worker(s) as configured (start under srun to attach).",
+              file=sys.stderr, flush=True)
     from hydraddp.launch import launch, resolved
 
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config

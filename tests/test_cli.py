@@ -132,3 +132,12 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
                           ready=training, cwd=tmp_path)
     assert done.returncode == 130, done.stderr[-3000:]
     assert "interrupted; every worker was stopped" in done.stderr
+
+
+def test_inside_a_slurm_allocation_but_not_an_srun_step_it_launches_locally(tmp_path):
+    # An salloc shell or sbatch script: SLURM_PROCID/SLURM_NTASKS are set, but no srun step started 4 ranks.
+    done = run_cli(*QUICK, "tracking.enabled=false", cwd=tmp_path, timeout=120,
+                   env={"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert finished(done.stdout)[:2] == (12, 2)  # launcher.nproc_per_node=2, not the allocation's 4 tasks
+    assert "in Slurm job 4242 but not in an srun step: launching 2 local worker(s)" in done.stderr

@@ -6,7 +6,7 @@ adds the few that only exist in config (scaler settings, multi-node rendezvous).
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hydraddp.distributed.compat import Combination, Problem, check_compatibility
 from hydraddp.distributed.env import detect_launch_env
@@ -70,7 +70,7 @@ def combination_of(cfg: DictConfig) -> Combination:
 
 def problems(cfg: DictConfig) -> list[Problem]:
     """Every problem of the composed ``cfg``, each naming its config keys and the fix."""
-    found = check_compatibility(combination_of(cfg))
+    found = check_compatibility(combination_of(cfg)) + range_problems(cfg)
     scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
     if scaler_keys and cfg.precision.name != "fp16":
         found.append(Problem(
@@ -92,7 +92,30 @@ def problems(cfg: DictConfig) -> list[Problem]:
     if not 0 <= launcher.node_rank < launcher.nnodes:
         found.append(Problem(("launcher.node_rank",), f"launcher.node_rank={launcher.node_rank} is not in "
                              f"[0, launcher.nnodes={launcher.nnodes}).", "Number the nodes 0 .. nnodes-1."))
-    if cfg.trainer.max_steps < 1:
-        found.append(Problem(("trainer.max_steps",), f"trainer.max_steps={cfg.trainer.max_steps} trains nothing.",
-                             "Set trainer.max_steps to 1 or more."))
+    return found
+
+
+# Every numeric key with the smallest value that means something (None: the key may be null).
+MINIMUMS = {
+    "data.batch_size": 1, "data.eval_batch_size": 1, "data.num_workers": 0, "data.seq_len": 1,
+    "trainer.max_steps": 1, "trainer.log_every": 1, "trainer.eval_every": 0, "trainer.stop_at_step": 1,
+    "checkpoint.every_n_steps": 0, "checkpoint.keep_last": 0, "launcher.max_restarts": 0,
+    "precision.growth_interval": 1,
+}
+POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale")
+
+
+def range_problems(cfg: DictConfig) -> list[Problem]:
+    """Batch sizes, steps, intervals and limits out of range, each with its key and the smallest valid value."""
+    found = []
+    for key, least in MINIMUMS.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < least:
+            meaning = "1 or more" if least == 1 else "0 or more"
+            found.append(Problem((key,), f"{key}={value} is out of range.", f"Set {key} to {meaning}."))
+    for key in POSITIVE:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value <= 0:
+            found.append(Problem((key,), f"{key}={value} must be greater than 0.",
+                                 f"Set {key} to a positive number{' or null' if key == 'trainer.grad_clip' else ''}."))
     return found

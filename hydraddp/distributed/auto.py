@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 from hydraddp.distributed import api, machine, wrappers
 from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.horovod import HOROVOD
-from hydraddp.distributed.precision import autocast_forward, low_precision_io, make_grad_scaler, precision_spec
+from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
 from hydraddp.distributed.report import WrapRecord
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ def combination_here(**fields: Any) -> Combination:
     ctx = api.current()
     fields.setdefault("backend", ctx.backend())
     fields.setdefault("world_size", ctx.world_size())
+    # In a worker, which uses CUDA anyway, torch's own count (the launcher counts without touching the driver).
+    fields.setdefault("cuda_device_count", torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return machine.combination(has_horovod=ctx.backend() == HOROVOD, **fields)
 
 
@@ -80,6 +82,9 @@ def auto_model(
         log.info("Converting BatchNorm to SyncBatchNorm")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
+    # On the model itself, before wrapping: the wrappers call it, DataParallel's replicas copy its hooks, and
+    # the FSDPs cast for themselves (their outputs still come back in fp32 from these hooks).
+    add_precision_hooks(model, spec, device.type, autocast=realized in ("none", "dp", "ddp", HOROVOD))
     log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
     match realized:
         case "none":
@@ -94,11 +99,6 @@ def auto_model(
             model = wrappers.wrap_fsdp2(model, device, api.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
-    # On the outermost module: DataParallel replicas would otherwise call a forward bound to the original.
-    if spec.is_mixed and realized in ("none", "dp", "ddp", HOROVOD):
-        autocast_forward(model, spec, device.type)
-    if spec.storage_dtype != torch.float32:
-        low_precision_io(model, spec)
     model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel)
     return model
 
@@ -137,7 +137,9 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
     optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
     if state["state"]:
         optimizer.load_state_dict(state)  # Horovod's wrapper is a new optimizer: it would start from nothing
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    # A fresh optimizer has no state to broadcast, and Horovod would "initialize" it with a step on zero
+    # gradients: harmless for SGD, but AdamW then decays every weight and counts one step too many.
     return optimizer
 
 

@@ -61,10 +61,36 @@ def expand_first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
-def _from_slurm(env: Mapping[str, str]) -> LaunchEnv | None:
-    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+# Step ids Slurm gives to what is not an srun step: the interactive step of salloc, the batch script and
+# the "extern" step (SLURM_INTERACTIVE_STEP, SLURM_BATCH_SCRIPT, SLURM_EXTERN_CONT in slurm.h).
+NOT_SRUN_STEPS = {4294967293, 4294967294, 4294967295}
+
+
+def in_srun_step(env: Mapping[str, str]) -> bool:
+    """True inside a job step that ``srun`` started: there, every task is one rank of the job.
+
+    An ``salloc`` shell or an sbatch batch script also has ``SLURM_PROCID``/``SLURM_NTASKS``, but only one
+    process runs there: attaching as rank 0 of N would wait forever for ranks nobody starts.
+    """
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
+    if not step.isdigit() or int(step) in NOT_SRUN_STEPS or "SLURM_PROCID" not in env:
+        return False
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", ""))
+    return tasks.isdigit() and int(env["SLURM_PROCID"]) < int(tasks)
+
+
+def slurm_allocation_outside_step(env: Mapping[str, str] | None = None) -> str | None:
+    """The job id when this process runs inside a Slurm allocation but not in an srun step, else None."""
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env and "SLURM_PROCID" not in env:
         return None
-    world = int(env["SLURM_NTASKS"])
+    return None if in_srun_step(env) else env.get("SLURM_JOB_ID", "?")
+
+
+def _from_slurm(env: Mapping[str, str]) -> LaunchEnv | None:
+    if not in_srun_step(env):
+        return None
+    world = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
     nnodes = _int(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1)
     # Ignite's convention, so jobs that mix the two tools agree on the port.
     default_port = 15000 + int(env.get("SLURM_JOB_ID", "0")[-4:] or 0)

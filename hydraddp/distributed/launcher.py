@@ -87,11 +87,13 @@ def worker_start_method(backend: str | None) -> str:
     ``spawn``.
 
     A forked worker starts with torch already imported: about a second sooner than a spawned one, which
-    imports it again. Safe for gloo on Linux while this process has not initialized CUDA (a forked child
-    cannot use CUDA then); a process that ran tensor ops may hold OpenMP threads a child cannot use, so
-    ``Parallel`` itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this.
+    imports it again. Safe for gloo on Linux on a machine without GPUs: a forked child cannot use CUDA once
+    its parent initialized it, and a gloo worker may still use a GPU for its tensors, so any visible GPU
+    means spawn. A process that ran tensor ops may hold OpenMP threads a child cannot use, so ``Parallel``
+    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this.
     """
-    if backend == "gloo" and sys.platform == "linux" and not torch.cuda.is_initialized():
+    if backend == "gloo" and sys.platform == "linux" and machine.cuda_device_count() == 0 \
+            and not torch.cuda.is_initialized():
         return "fork"
     return "spawn"
 

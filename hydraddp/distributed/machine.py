@@ -8,24 +8,50 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 from hydraddp.distributed.compat import Combination, ConfigurationError, check_compatibility
 
 
-def cuda_device_count() -> int:
-    if "torch" not in sys.modules:
-        try:
-            if importlib.metadata.version("torch").endswith("+cpu"):
-                return 0
-        except importlib.metadata.PackageNotFoundError:
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU, listed by the driver itself
+
+
+def _visible(count: int, env: Mapping[str, str]) -> int:
+    """``count`` GPUs as CUDA_VISIBLE_DEVICES narrows them (CUDA stops at the first invalid entry)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return count
+    entries = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        entries.append(entry)
+    return min(count, len(entries))
+
+
+def cuda_device_count(env: Mapping[str, str] | None = None, gpus_dir: Path = NVIDIA_GPUS) -> int:
+    """GPUs this process could use, found without touching the CUDA driver: a launcher that forks its
+    workers after ``cuInit`` hands them a CUDA they cannot use. A CPU build of torch has none (known from
+    its version, without importing it); on Linux the NVIDIA driver lists its GPUs in /proc; elsewhere
+    ``torch.cuda.device_count()`` asks NVML first."""
+    env = os.environ if env is None else env
+    try:
+        if importlib.metadata.version("torch").endswith("+cpu"):
             return 0
+    except importlib.metadata.PackageNotFoundError:
+        return 0
+    if gpus_dir.is_dir():
+        return _visible(sum(1 for _ in gpus_dir.iterdir()), env)
+    if sys.platform == "linux":
+        return 0  # no NVIDIA driver loaded
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def horovod_installed() -> bool:

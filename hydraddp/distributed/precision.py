@@ -1,10 +1,9 @@
 """One precision name -> what each wrapper needs: FSDP1 MixedPrecision, FSDP2 MixedPrecisionPolicy,
-an autocast forward for none/dp/ddp, a weight cast for bf16-true, and the grad scaler for fp16."""
+autocast hooks for none/dp/ddp/horovod, an input cast for bf16-true, and the grad scaler for fp16."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,34 +69,51 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _patch_forward(module: nn.Module, around: Any = contextlib.nullcontext, inputs_dtype: torch.dtype | None = None) -> None:
-    # Patched on the instance (as Accelerate does) so state_dict keys and the wrapper type stay as they are.
-    original = module.forward
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if inputs_dtype is not None:
-            args, kwargs = _cast_floats(args, inputs_dtype), _cast_floats(kwargs, inputs_dtype)
-        with around():
-            out = original(*args, **kwargs)
-        return _cast_floats(out, torch.float32)
-
-    module.forward = forward
+_AUTOCASTS = threading.local()  # per thread: DataParallel runs each replica's forward in a thread of its own
 
 
-def autocast_forward(module: nn.Module, spec: PrecisionSpec, device_type: str) -> None:
-    """Run ``module.forward`` under autocast and return fp32 outputs, so the loss is computed in fp32."""
-    _patch_forward(module, lambda: torch.autocast(device_type=device_type, dtype=spec.compute_dtype))
+class PrecisionHooks:
+    """Forward hooks that give a module its precision without touching its ``forward``.
+
+    Before the forward: cast floating inputs to ``inputs_dtype`` (bf16-true) and enter autocast in
+    ``autocast_dtype``; after it (also when it raised): leave autocast and return fp32 outputs, so the loss is
+    computed in fp32. Hooks live in the module's own hook dicts: ``copy.deepcopy`` (EMA, ``AveragedModel``),
+    pickling (``torch.save(model)``) and DataParallel's replicas carry them along, and each replica enters
+    autocast with the right dtype in its own thread. (``torch.autocast`` state is per thread, so wrapping
+    DataParallel's forward instead left the replicas in fp16, autocast's default.) A plain object, so it pickles.
+    """
+
+    def __init__(self, device_type: str, autocast_dtype: torch.dtype | None = None,
+                 inputs_dtype: torch.dtype | None = None):
+        self.device_type, self.autocast_dtype, self.inputs_dtype = device_type, autocast_dtype, inputs_dtype
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if self.inputs_dtype is not None:
+            args, kwargs = _cast_floats(args, self.inputs_dtype), _cast_floats(kwargs, self.inputs_dtype)
+        if self.autocast_dtype is not None:
+            context = torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+            context.__enter__()
+            _AUTOCASTS.__dict__.setdefault("stack", []).append(context)
+        return args, kwargs
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        if self.autocast_dtype is not None:
+            _AUTOCASTS.stack.pop().__exit__(None, None, None)
+        return _cast_floats(output, torch.float32)
 
 
-def fp32_outputs(module: nn.Module) -> None:
-    """Return fp32 outputs from a module that computes in low precision (FSDP1 has no output dtype)."""
-    _patch_forward(module)
-
-
-def low_precision_io(module: nn.Module, spec: PrecisionSpec) -> None:
-    """bf16-true: cast floating inputs to the weights' dtype, return fp32 outputs."""
-    _patch_forward(module, inputs_dtype=spec.storage_dtype)
+def add_precision_hooks(module: nn.Module, spec: PrecisionSpec, device_type: str, autocast: bool) -> None:
+    """Give ``module`` the precision ``spec`` asks for: autocast (when ``autocast``, for wraps that do not
+    cast themselves), weights' dtype inputs for bf16-true, and fp32 outputs for every low-precision mode."""
+    if not (spec.is_mixed or spec.storage_dtype != torch.float32):
+        return
+    hooks = PrecisionHooks(
+        device_type,
+        autocast_dtype=spec.compute_dtype if autocast and spec.is_mixed else None,
+        inputs_dtype=spec.storage_dtype if spec.storage_dtype != torch.float32 else None,
+    )
+    module.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    module.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 
 
 def make_grad_scaler(spec: PrecisionSpec, sharded: bool, device_type: str = "cuda", **kwargs: Any):

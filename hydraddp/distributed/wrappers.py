@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hydraddp.distributed.policies import plan_units, resolve_policy
-from hydraddp.distributed.precision import PrecisionSpec, fp32_outputs, fsdp1_mixed_precision, fsdp2_mp_policy
+from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
 
 # Parameters that FSDP replaced while wrapping. An optimizer that still holds one of them was created
 # before wrapping and would silently train nothing: auto_optim refuses it. Keyed by id with weak
@@ -73,6 +73,14 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
     kwargs["auto_wrap_policy"] = _pop_policy(kwargs)
     # On CPU FSDP1 must be told device_id=cpu, or it looks for an accelerator.
     kwargs.setdefault("device_id", device)
+    # Every rank starts from rank 0's weights, whatever each rank's seed or loaded checkpoint. FSDP1 does that
+    # itself only for modules on a GPU; on the CPU the same broadcast happens here, before sharding.
+    if device.type == "cuda" or kwargs.get("sync_module_states") is not None:
+        kwargs.setdefault("sync_module_states", True)
+    else:
+        import torch.distributed as dist
+
+        broadcast_module_states(model, kwargs.get("process_group") or dist.group.WORLD, device)
     if offload:
         kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))
     if kwargs.get("mixed_precision") is None:
@@ -83,8 +91,6 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
     before = list(model.parameters())
     wrapped = FSDP(model, **kwargs)
     _remember_replaced(before)
-    if spec.is_mixed:
-        fp32_outputs(wrapped)  # as the root of FSDP2 and autocast do: the loss is computed in fp32
     return wrapped
 
 
@@ -107,6 +113,7 @@ def wrap_fsdp2(
         return isinstance(module, FSDPModule)
 
     before = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
+    broadcast_module_states(model, mesh.get_group(), device)
     if spec.is_mixed and user_mp is None:
         # BatchNorm in reduced precision drifts; the known fix is its own unit computing in fp32 (inputs cast
         # up), whose output is cast back to the compute dtype for the next layer.
@@ -122,6 +129,29 @@ def wrap_fsdp2(
         fully_shard(model, mp_policy=root_mp, **common)
     _remember_replaced(before)
     return model
+
+
+def broadcast_module_states(model: nn.Module, group: Any, device: torch.device, src_in_group: int = 0) -> None:
+    """Give every rank of ``group`` the parameters and buffers of its first rank, before sharding.
+
+    FSDP2's ``fully_shard`` has no ``sync_module_states``: each rank keeps the shard of whatever it built, so
+    ranks seeded with ``seed + rank`` (or loading pretrained weights on rank 0 only) would train a model
+    that no rank ever held. Tensors the backend cannot send from where they are (CPU under nccl) travel
+    through ``device``.
+    """
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, src_in_group)
+    via_device = dist.get_backend(group) == "nccl"
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_meta or isinstance(tensor, torch.distributed.tensor.DTensor):
+                continue  # not materialized yet, or already sharded by the caller
+            moved = via_device and tensor.device != device
+            buffer = tensor.detach().to(device) if moved else tensor.detach()
+            dist.broadcast(buffer, src=src, group=group)
+            if moved:
+                tensor.copy_(buffer)
 
 
 def convert_batchnorm(model: nn.Module, factory: Any) -> nn.Module:

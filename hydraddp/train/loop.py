@@ -22,6 +22,7 @@ from hydraddp.config.instantiate import instantiate
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
 from hydraddp.train import checkpoint
+from hydraddp.train.step import optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,6 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tupl
     logits = model(inputs)
     flat_logits = logits.flatten(0, -2)
     return F.cross_entropy(flat_logits, targets.flatten()), flat_logits
-
-
-def _clip(model: nn.Module, max_norm: float) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if isinstance(model, FullyShardedDataParallel):
-        model.clip_grad_norm_(max_norm)  # FSDP1's flat shards need its own norm across ranks
-    else:
-        nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DTensor-aware for FSDP2
 
 
 @torch.no_grad()
@@ -240,20 +232,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             scaler.scale(loss).backward()
         else:
             loss.backward()
-        if trainer.grad_clip:
-            if horovod:
-                optimizer.synchronize()  # Horovod reduces in step(); clip the reduced gradients instead
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            _clip(model, trainer.grad_clip)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        elif horovod and trainer.grad_clip:
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        else:
-            optimizer.step()
+        optimizer_step(model, optimizer, scaler, trainer.grad_clip, horovod)
         if scheduler is not None:
             scheduler.step()
         window_steps += 1

@@ -1,7 +1,5 @@
 """Bad combinations are refused by the CLI before any worker starts: exit 2, every key named, no traceback,
-no process, no job directory left, in under 2 s."""
-
-import time
+no process, no job directory left. (How fast that is, is measured in benchmarks/, not asserted here.)"""
 
 import pytest
 
@@ -19,6 +17,10 @@ CASES = [
     (["data.batch_size=63"], ["data.batch_size=63 is the global batch", "(63 / 2 = 31.5)", "data.batch_size=64"]),
     (["precision=bf16-true", "precision.init_scale=1024"], ["precision=bf16-true uses no grad scaler",
                                                             "precision.init_scale=1024.0"]),
+    (["data.batch_size=0"], ["data.batch_size=0 is out of range", "Set data.batch_size to 1 or more"]),
+    (["trainer.log_every=0"], ["trainer.log_every=0 is out of range"]),
+    (["checkpoint.every_n_steps=-5"], ["checkpoint.every_n_steps=-5 is out of range", "0 or more"]),
+    (["trainer.grad_clip=0"], ["trainer.grad_clip=0.0 must be greater than 0", "or null"]),
     (["launcher.nnodes=2"], ["launcher.rdzv_endpoint=HOST:PORT"]),
     (["wrap=zero3"], ["Could not find 'wrap/zero3'", "fsdp2", "python -m hydraddp --help"]),
     (["precision=fp8"], ["Could not find 'precision/fp8'", "bf16-true"]),
@@ -29,16 +31,13 @@ CASES = [
 
 @pytest.mark.parametrize("overrides, expected", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_combination_is_refused_before_anything_starts(tmp_path, overrides, expected):
-    start = time.monotonic()
     done = run_cli(*overrides, cwd=tmp_path, timeout=60)  # the helper also checks that no process is left
-    elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stderr
     for text in expected:
         assert text in done.stderr
     assert "Traceback" not in done.stderr
     assert "[rank" not in done.stderr + done.stdout  # no worker ever logged
     assert job_dirs(tmp_path) == [] and not (tmp_path / "mlflow.db").exists()
-    assert elapsed < 2.0, f"took {elapsed:.2f}s"
 
 
 def test_every_problem_is_listed_at_once(tmp_path):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from hydraddp.distributed.env import LaunchEnv, detect_launch_env, expand_first_host, free_port
+from hydraddp.distributed.env import (LaunchEnv, detect_launch_env, expand_first_host, free_port,
+                                      slurm_allocation_outside_step)
 
 
 def test_nothing_set_means_no_launcher():
@@ -16,15 +17,60 @@ def test_torchrun():
 
 
 def test_slurm_with_nodelist_and_ignite_port_rule():
-    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}
     found = detect_launch_env(env)
     assert found == LaunchEnv("slurm", 5, 1, 8, 4, 1, 2, "gpu07", 15000 + 3456)
 
 
 def test_torchrun_inside_slurm_wins():
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "LOCAL_RANK": "1",
+           "WORLD_SIZE": "2"}
     assert detect_launch_env(env).source == "torchrun"
+
+
+@pytest.mark.parametrize("step", [None, "4294967293", "4294967294", "4294967295"],
+                         ids=["salloc shell", "interactive step", "batch script", "extern step"])
+def test_a_slurm_allocation_outside_an_srun_step_is_not_attached_to(step):
+    env = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", **({"SLURM_STEP_ID": step} if step else {})}
+    assert detect_launch_env(env) is None
+    assert slurm_allocation_outside_step(env) == "77"
+
+
+def test_an_srun_step_is_attached_to_with_its_own_task_count():
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "8",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}
+    found = detect_launch_env(env)
+    assert (found.source, found.rank, found.world_size) == ("slurm", 1, 2)
+    assert slurm_allocation_outside_step(env) is None
+
+
+def test_cuda_device_count_reads_the_driver_list_and_never_touches_cuda(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    import torch
+
+    from hydraddp.distributed import machine
+
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.13.0+cu130")  # as on a GPU build
+    for touch in ("is_available", "device_count", "init"):
+        monkeypatch.setattr(torch.cuda, touch, lambda *a: pytest.fail("the CUDA driver was touched"))
+    assert machine.cuda_device_count({}, gpus) == 3
+    assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": "2,0"}, gpus) == 2
+    assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": ""}, gpus) == 0
+    assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": "0,-1,1"}, gpus) == 1
+    assert machine.cuda_device_count({}, tmp_path / "no-driver") == 0
+
+
+def test_a_visible_gpu_means_workers_are_spawned_not_forked(monkeypatch):
+    from hydraddp.distributed import launcher, machine
+
+    assert launcher.worker_start_method("gloo") == "fork"  # this CPU machine
+    monkeypatch.setattr(machine, "cuda_device_count", lambda *a: 1)
+    assert launcher.worker_start_method("gloo") == "spawn"
 
 
 @pytest.mark.parametrize(

@@ -190,3 +190,83 @@ def sleep_forever(local_rank: int, marker_dir: str) -> None:
     pathlib.Path(marker_dir, f"started-{idist.get_rank()}").touch()
     while True:
         time.sleep(0.1)
+
+
+def seed_plus_rank(local_rank: int, wrap: str | None) -> dict:
+    """ignite-style init: each rank seeds with seed + rank before building the model; then 5 SGD steps."""
+    torch.manual_seed(1234 + idist.get_rank())
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    built = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = idist.auto_model(model, wrap=wrap)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = idist.auto_dataloader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False)
+    losses = []
+    for _, (x, y) in zip(range(5), loader):
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(idist.all_reduce(loss.item()) / idist.get_world_size())
+    return {"built": built, "losses": losses, "params": full_params(model)}
+
+
+def copies_and_pickles(local_rank: int, cases: list[tuple[str, str]]) -> dict:
+    """For each (wrap, precision): deepcopy, AveragedModel and torch.save/load of the wrapped model and of its
+    inner module, next to the same operation on the same wrapper made by plain torch (no precision).
+
+    Each outcome is "ok" with the copy's output equal to the original's (and fp32 when the original's is),
+    or the error; the plain torch outcome says whether torch itself permits the operation.
+    """
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    def save_load(module):
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    ops = {"deepcopy": copy.deepcopy, "AveragedModel": AveragedModel, "torch.save": save_load}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for wrap, precision in cases:
+        ours = idist.auto_model(mlp(), wrap=wrap, precision=precision)
+        plain = idist.auto_model(mlp(), wrap=wrap)  # fp32: no hooks of hydraddp's, only torch's wrapper
+        for target in ("wrapped", "inner"):
+            pick = (lambda m: m) if target == "wrapped" else (lambda m: getattr(m, "module", m))
+            try:
+                with torch.no_grad():
+                    expected = pick(ours)(x)
+            except Exception as exc:  # e.g. FSDP1's inner module cannot run outside its wrapper
+                expected = exc
+            for op_name, op in ops.items():
+                if isinstance(expected, Exception):
+                    out[(wrap, precision, target, op_name)] = {"torch_permits": False, "output_dtype": None,
+                                                               "ours": f"original fails: {expected}"}
+                    continue
+                try:
+                    with torch.no_grad():
+                        op(pick(plain))(x)
+                    torch_permits = True
+                except Exception:
+                    torch_permits = False
+                try:
+                    copied = op(pick(ours))
+                    with torch.no_grad():
+                        got = copied(x)
+                        for param in copied.parameters():
+                            param.zero_()  # a copy that computes with its own weights now outputs zeros
+                        zeroed = copied(x)
+                    if not (torch.equal(got, expected) and got.dtype == expected.dtype):
+                        outcome = f"differs: {got.dtype} vs {expected.dtype}, {(got.float() - expected.float()).abs().max()}"
+                    elif zeroed.abs().max() != 0:
+                        outcome = "the copy computes with the original's weights"
+                    else:
+                        outcome = "ok"
+                except Exception as exc:
+                    outcome = f"{type(exc).__name__}: {exc}"
+                out[(wrap, precision, target, op_name)] = {"torch_permits": torch_permits, "ours": outcome,
+                                                           "output_dtype": str(expected.dtype)}
+    return out

@@ -106,11 +106,12 @@ def test_dataparallel_without_a_process_group(dataparallel, case):
 @two_gpus
 @bf16
 def test_dataparallel_with_bf16_autocast(dataparallel):
-    # autocast_forward patches the module's forward before DataParallel copies it to each GPU: every
-    # replica must still run its own copy, not the original module on GPU 0.
+    # The precision hooks sit on the model that DataParallel copies to each GPU, so each replica enters autocast
+    # in bf16 in its own thread (autocast state is per thread: wrapping DataParallel's forward left them in fp16).
     out = dataparallel["dp_bf16"]
     assert out["error"] is None, out["error"]
     assert out["type"] == "DataParallel"
+    assert out["compute_dtypes"] == ["torch.bfloat16"]
     assert out["all_grads"]
     assert out["loss"] == pytest.approx(out["ref_loss"], abs=BF16_TOL)
 

@@ -96,6 +96,10 @@ def dataparallel_cases(local_rank: int, cases: dict[str, dict]) -> dict[str, dic
     for name, kwargs in cases.items():
         try:
             model = idist.auto_model(mlp(), **kwargs)
+            # What each replica's first Linear really computes in (autocast state is per thread).
+            compute_dtypes = set()
+            first_linear = next(m for m in getattr(model, "module", model).modules() if isinstance(m, nn.Linear))
+            first_linear.register_forward_hook(lambda m, i, o: compute_dtypes.add(str(o.dtype)))
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             grads = [p.grad for p in model.parameters()]
@@ -106,6 +110,7 @@ def dataparallel_cases(local_rank: int, cases: dict[str, dict]) -> dict[str, dic
                 "wrapper": idist.wrap_report(model).wrapper,
                 "loss": loss.item(),
                 "ref_loss": ref_loss.item(),
+                "compute_dtypes": sorted(compute_dtypes),
                 "all_grads": all(g is not None for g in grads),
                 "max_grad_diff": max((g - r).abs().max().item() for g, r in zip(grads, ref_grads) if g is not None),
             }
