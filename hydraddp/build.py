@@ -27,17 +27,33 @@ def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
     return kwargs
 
 
+def instantiate_model(cfg: DictConfig) -> nn.Module:
+    """``cfg.model``, built under ``trainer.seed`` (the weights every rank starts from are rank 0's anyway)."""
+    torch.manual_seed(cfg.trainer.seed)
+    return instantiate(model_kwargs(cfg.model), "model")
+
+
+def wrap_model(cfg: DictConfig, model: nn.Module) -> tuple[nn.Module, WrapReport]:
+    """``auto_model`` with the config's wrap, precision and offload."""
+    wrapped = idist.auto_model(model, sync_bn=bool(cfg.model.get("sync_bn", False)), wrap=cfg.wrap.name,
+                               precision=cfg.precision.name, **wrap_kwargs(cfg, model))
+    return wrapped, idist.wrap_report(wrapped)
+
+
 def build_model(cfg: DictConfig) -> tuple[nn.Module, WrapReport]:
     """Instantiate ``cfg.model`` and hand it to ``auto_model`` with the config's wrap, precision and offload.
 
-    Call it on every rank, inside a distributed context (``idist.Parallel``) or in one process. The seed
-    is ``trainer.seed`` on every rank: FSDP does not broadcast the initial weights, so they must agree.
+    Call it on every rank, inside a distributed context (``idist.Parallel``) or in one process. Every rank
+    starts from rank 0's weights: DDP, Horovod and both FSDPs broadcast them.
 
     >>> cfg = hydraddp.config.compose.compose(["wrap=fsdp2"])            # doctest: +SKIP
     >>> model, report = build_model(cfg); print(report.units)         # doctest: +SKIP
     """
-    torch.manual_seed(cfg.trainer.seed)
-    model = instantiate(model_kwargs(cfg.model), "model")
-    wrapped = idist.auto_model(model, sync_bn=bool(cfg.model.get("sync_bn", False)), wrap=cfg.wrap.name,
-                               precision=cfg.precision.name, **wrap_kwargs(cfg, model))
-    return wrapped, idist.wrap_report(wrapped)
+    return wrap_model(cfg, instantiate_model(cfg))
+
+
+def flops_per_token(model: nn.Module) -> float | None:
+    """The model's own ``flops_per_token()``, for MFU. Ask the model before wrapping: FSDP1 flattens and
+    shards the parameters, and a count taken after it sees only this rank's shard."""
+    fn = getattr(model, "flops_per_token", None)
+    return fn() if callable(fn) else None

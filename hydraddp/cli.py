@@ -116,7 +116,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         print(f"hydraddp: in Slurm job {slurm_job} but not in an srun step: launching "
               f"{cfg.launcher.nproc_per_node} local worker(s) as configured (start under srun to attach).",
               file=sys.stderr, flush=True)
-    from hydraddp.launch import launch, resolved
+    from hydraddp.launch import launch, redacted, resolved
 
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
@@ -131,7 +131,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     events_path = tracker.events_path if tracker else None
     try:
-        rank, result = launch(plain, job_dir, events_path)
+        rank, result = launch(plain, job_dir, events_path, redacted(cfg, plain))
     except WorkerFailedError as exc:
         if tracker:
             tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=cfg.tracking.flush_timeout_s)

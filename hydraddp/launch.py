@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path: str | None,
-           attached: bool) -> dict[str, Any]:
+           attached: bool, saved_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """What every rank runs: the config arrives resolved; it is never composed again here.
 
     ``events_path`` is where the tracker reads MLflow events; local rank 0 of the node that tracks writes them.
@@ -35,7 +35,8 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     if events is not None and restarts:
         events.tag("hydraddp.restarts", str(restarts))  # the run shows that torch's agent restarted the group
     try:
-        return {**train(OmegaConf.create(plain_cfg), Path(job_dir), events).to_dict(), "job_dir": job_dir}
+        result = train(OmegaConf.create(plain_cfg), Path(job_dir), events, saved_config)
+        return {**result.to_dict(), "job_dir": job_dir}
     except Exception:
         logging.getLogger(__name__).exception("training failed")
         raise
@@ -64,10 +65,21 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     )
 
 
-def launch(plain: dict[str, Any], job_dir: Path, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
-    """Run the resolved config ``plain`` (see ``resolved``) on all ranks. Returns the lowest global rank this
-    process saw (0 when it spawned the workers or is rank 0 under torchrun) and that rank's ``TrainResult``."""
+def redacted(cfg: DictConfig, plain: dict[str, Any]) -> dict[str, Any]:
+    """``plain`` with every secret masked: values from ``${oc.env:...}`` (known only before resolving) and
+    everything under a secret-looking key. What leaves the job's memory (MLflow, checkpoints) is this."""
+    from hydraddp.tracking import names
+
+    return names.redact(plain, names.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
+
+
+def launch(plain: dict[str, Any], job_dir: Path, events_path: Path | None = None,
+           saved_config: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """Run the resolved config ``plain`` (see ``resolved``) on all ranks; checkpoints keep ``saved_config``
+    (see ``redacted``). Returns the lowest global rank this process saw (0 when it spawned the workers or is
+    rank 0 under torchrun) and that rank's ``TrainResult``."""
     parallel = parallel_for(plain)
-    results = parallel.run(worker, plain, str(job_dir), str(events_path) if events_path else None, not parallel.spawns)
+    results = parallel.run(worker, plain, str(job_dir), str(events_path) if events_path else None, not parallel.spawns,
+                           saved_config)
     rank = min(results)
     return rank, results[rank]

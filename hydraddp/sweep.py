@@ -41,9 +41,15 @@ class SweepSummary(Callback):
         from hydraddp.tracking.run import SweepRun, preflight
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
 
+        from omegaconf import OmegaConf
+
+        from hydraddp.tracking.names import redact_overrides, secret_paths
+
         uri = tracking_uri(config)
         if preflight(uri) is None:  # otherwise every job reports the unreachable server itself
-            self.parent = SweepRun(uri, config.tracking.experiment, list(config.hydra.overrides.task))
+            secrets = secret_paths(OmegaConf.to_container(config, resolve=False))
+            overrides = redact_overrides(list(config.hydra.overrides.task), secrets)
+            self.parent = SweepRun(uri, config.tracking.experiment, overrides)
             os.environ[PARENT_RUN_ENV] = self.parent.run_id
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:

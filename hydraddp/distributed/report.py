@@ -12,7 +12,7 @@ from hydraddp.distributed import api
 from hydraddp.distributed.precision import PrecisionSpec, precision_spec
 
 ROOT = "<root>"
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+_WRAPPER_LEVELS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # FSDP1, activation checkpointing
 
 
 @dataclass(frozen=True)
@@ -73,23 +73,27 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name or ROOT
+def _clean(name: str, under_wrapper: bool = False) -> str:
+    """A module name as the user wrote the model: the wrappers' own levels dropped as whole name parts
+    (``a.submodule.b`` stays as it is). ``under_wrapper``: the name starts at DDP/DataParallel's ``module``."""
+    parts = name.split(".") if name else []
+    if under_wrapper and parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(p for p in parts if p not in _WRAPPER_LEVELS) or ROOT
 
 
 def _realized(model: nn.Module) -> tuple[str, list[str], list[int] | None]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
     fsdp2 = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if fsdp2:
         mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
-        return "fsdp2", [_clean(n) for n in fsdp2], list(mesh.shape) if mesh is not None else None
+        return "fsdp2", [_clean(n, wrapped) for n in fsdp2], list(mesh.shape) if mesh is not None else None
     fsdp1 = [name for name, m in model.named_modules() if isinstance(m, FSDP)]
     if fsdp1:
-        return "fsdp", [_clean(n) for n in fsdp1], [model.process_group.size()] if isinstance(model, FSDP) else None
+        return "fsdp", [_clean(n, wrapped) for n in fsdp1], [model.process_group.size()] if isinstance(model, FSDP) else None
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "ddp", [ROOT], [model.process_group.size()]
     if isinstance(model, nn.DataParallel):

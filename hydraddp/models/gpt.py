@@ -24,15 +24,16 @@ class CausalSelfAttention(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+        self.dropout = nn.Dropout(dropout)  # on each residual branch, as in GPT-2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.attn(self.norm1(x)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
 
 class GPT(nn.Module):
@@ -41,12 +42,12 @@ class GPT(nn.Module):
     fsdp_block_classes = ("GPTBlock",)
 
     def __init__(self, vocab_size: int = 128, seq_len: int = 64, dim: int = 128, depth: int = 4, heads: int = 4,
-                 mlp_ratio: int = 4):
+                 mlp_ratio: int = 4, dropout: float = 0.0):
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, dim)
         self.pos_emb = nn.Embedding(seq_len, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads, mlp_ratio) for _ in range(depth))
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, mlp_ratio, dropout) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size)
 

@@ -56,10 +56,16 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def is_secret_key(dotted: str) -> bool:
+    """True when any part of ``dotted`` looks like a password/token/secret: ``trainer.secrets.db`` is one."""
+    return any(SECRET_KEY.search(part) for part in dotted.split("."))
+
+
 def secret_paths(unresolved: dict[str, Any]) -> set[str]:
-    """Dotted keys whose value comes from ``${oc.env:...}`` or whose name looks like a password/token/secret."""
+    """Dotted keys whose value comes from ``${oc.env:...}``, or that sit anywhere under a key that looks like
+    a password/token/secret (at any depth)."""
     return {key for key, value in flatten(unresolved).items()
-            if (isinstance(value, str) and ENV_INTERPOLATION.search(value)) or SECRET_KEY.search(key.split(".")[-1])}
+            if (isinstance(value, str) and ENV_INTERPOLATION.search(value)) or is_secret_key(key)}
 
 
 def redact(resolved: dict[str, Any], secrets: Iterable[str]) -> dict[str, Any]:
@@ -86,14 +92,16 @@ def params(resolved_redacted: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def redact_overrides(overrides: list[str], secrets: Iterable[str]) -> list[str]:
-    """Command-line overrides with the value of every secret key masked (``key=value`` -> ``key=***``)."""
+def redact_overrides(overrides: list[str], secrets: Iterable[str] = ()) -> list[str]:
+    """Command-line overrides with the value of every secret key masked (``key=value`` -> ``key=***``): a
+    secret-looking key at any depth, a key in ``secrets``, or a key above one (``db={password: x}``)."""
     secret_keys = set(secrets)
     out = []
     for override in overrides:
         key, sep, _ = override.partition("=")
         bare = key.lstrip("+~")
-        if sep and (bare in secret_keys or SECRET_KEY.search(bare.split(".")[-1])):
+        above = any(path.startswith(f"{bare}.") for path in secret_keys)
+        if sep and (bare in secret_keys or above or is_secret_key(bare)):
             override = f"{key}={REDACTED}"
         out.append(override)
     return out

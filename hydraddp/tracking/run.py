@@ -229,6 +229,7 @@ class SweepRun:
     """A sweep's parent run: its jobs' runs are its children; the comparison plots end up on it."""
 
     def __init__(self, uri: str, experiment: str, sweep_overrides: list[str]):
+        """``sweep_overrides`` come redacted (``names.redact_overrides``): they name the run and tag it."""
         self.uri = uri
         self.client = mlflow_client(uri)
         found = self.client.get_experiment_by_name(experiment)

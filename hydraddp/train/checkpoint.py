@@ -18,7 +18,6 @@ import logging
 import random
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ class CheckpointError(ValueError):
 class Resumed:
     step: int
     meta: dict[str, Any]
+    rng: dict[str, Any] | None = None  # this rank's RNG states, when the world size is the one that saved them
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -89,19 +89,34 @@ def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dic
 
 
 def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
     encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
-    state = {"torch": encode(torch.get_rng_state()), "python": repr(random.getstate())}
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"torch": encode(torch.get_rng_state()), "python": repr(random.getstate()),
+             "numpy": {"kind": kind, "keys": base64.b64encode(keys.tobytes()).decode(), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}}
     if torch.cuda.is_available():
         state["cuda"] = [encode(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any] | None) -> None:
+    """Set this rank's torch, CUDA, NumPy and Python RNGs as a checkpoint saved them. Call it once the data
+    loader's iterator exists, right before the first step: nothing may draw in between."""
     import ast
 
+    import numpy as np
+
+    if state is None:
+        return
     decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
     torch.set_rng_state(decode(state["torch"]))
     random.setstate(ast.literal_eval(state["python"]))  # literals only: no code runs
+    if "numpy" in state:
+        saved = state["numpy"]
+        keys = np.frombuffer(base64.b64decode(saved["keys"]), dtype=np.uint32)
+        np.random.set_state((saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
 
@@ -185,7 +200,8 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
     """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
-    size wrote it (a collective). Returns the step and the metadata; restores this rank's RNG if saved."""
+    size wrote it (a collective). Returns the step, the metadata and this rank's saved RNG states, which
+    the caller restores (``restore_rng``) once its data loader is ready."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -203,20 +219,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resu
     for fqn, tensors in optim_tensors["state"].items():
         optim_sd["state"][fqn].update(tensors)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    rng = Path(path) / f"rng_rank{idist.get_rank()}.json"
-    if rng.exists() and meta.get("world_size") == idist.get_world_size():
-        _set_rng_state(json.loads(rng.read_text()))
+    rng_file = Path(path) / f"rng_rank{idist.get_rank()}.json"
+    same_world = meta.get("world_size") == idist.get_world_size()
+    rng = json.loads(rng_file.read_text()) if rng_file.exists() and same_world else None
     log.info("resumed from %s at step %d", path, meta["step"])
-    return Resumed(meta["step"], meta)
-
-
-def batches_from(loader, step: int) -> Iterator:
-    """The batches a run continues with after ``step`` steps: same epochs, same order, none replayed."""
-    per_epoch = len(loader)
-    epoch, offset = divmod(step, per_epoch)
-    loader.set_epoch(epoch)
-    while True:
-        for index, batch in enumerate(loader):
-            if index >= offset:
-                yield batch
-        offset = 0
+    return Resumed(meta["step"], meta, rng)

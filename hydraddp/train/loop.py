@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -17,11 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import hydraddp.distributed as idist
-from hydraddp.build import build_model
+from hydraddp.build import flops_per_token as model_flops_per_token
+from hydraddp.build import instantiate_model, wrap_model
 from hydraddp.config.instantiate import instantiate
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint
+from hydraddp.train import checkpoint, data
 from hydraddp.train.step import optimizer_step
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,14 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tupl
     return F.cross_entropy(flat_logits, targets.flatten()), flat_logits
 
 
+class Evaluation(NamedTuple):
+    loss: float
+    accuracy: float
+    samples: int  # every sample of the eval set exactly once, summed over the ranks
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, float]:
+def evaluate(model: nn.Module, loader, device: torch.device) -> Evaluation:
     """Mean loss and accuracy over the eval set, summed over every rank's shard."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -64,7 +71,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, flo
                                 targets.numel()], dtype=torch.float64, device=device)
     model.train()
     loss_sum, correct, count = idist.all_reduce(totals).tolist()
-    return loss_sum / max(count, 1), correct / max(count, 1)
+    return Evaluation(loss_sum / max(count, 1), correct / max(count, 1), int(count))
 
 
 # Steady-state throughput leaves out the first steps: they allocate, create the optimizer state and warm caches.
@@ -119,12 +126,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _flops_per_token(model: nn.Module) -> float | None:
-    inner = getattr(model, "module", model)  # DDP / DataParallel hold the model as .module
-    fn = getattr(inner, "flops_per_token", None)
-    return fn() if callable(fn) else None
-
-
 def _checkpoint_root(cfg: DictConfig, job_dir: Path | None) -> Path | None:
     if cfg.checkpoint.dir:
         return Path(cfg.checkpoint.dir)
@@ -152,8 +153,9 @@ def _resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, 
 class _Saver:
     """Periodic, early-stop and final checkpoints, as ``cfg.checkpoint`` says."""
 
-    def __init__(self, cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler):
-        self.cfg, self.job_dir = cfg, job_dir
+    def __init__(self, cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler,
+                 saved_config: dict[str, Any]):
+        self.cfg, self.job_dir, self.saved_config = cfg, job_dir, saved_config
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = _checkpoint_root(cfg, job_dir)
 
@@ -165,7 +167,7 @@ class _Saver:
             return
         run_id_file = Path(self.job_dir, names.RUN_ID_FILE) if self.job_dir else None
         meta = {
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": self.saved_config,
             "run_id": run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None,
             # The tracker may create the run after this save (it yields the CPU to training): a resume
             # then reads the run id from the job directory.
@@ -186,14 +188,21 @@ def _progress(cfg: DictConfig):
     return tqdm(total=cfg.trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
 
 
-def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | None = None) -> TrainResult:
+def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | None = None,
+          saved_config: dict[str, Any] | None = None) -> TrainResult:
     """Train ``cfg`` on this rank; every rank calls it. Returns the same result on every rank.
 
     ``events`` (on the one rank that writes them) receives the MLflow metrics as they happen.
+    ``saved_config``: the config that checkpoints keep, with its secrets redacted (the launch knows which
+    values came from the environment); by default ``cfg`` with its secret-looking keys redacted.
     """
+    if saved_config is None:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        saved_config = names.redact(plain, names.secret_paths(plain))
     device, world = idist.device(), idist.get_world_size()
-    model, _ = build_model(cfg)
-    flops_per_token, device_flops = _flops_per_token(model), peak_flops(device)
+    bare = instantiate_model(cfg)
+    flops_per_token, device_flops = model_flops_per_token(bare), peak_flops(device)
+    model, _ = wrap_model(cfg, bare)
     # model= lets Horovod's DistributedOptimizer name the gradients it reduces (ignored elsewhere).
     optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(model.parameters()), model=model)
     horovod = idist.backend() == "horovod"
@@ -203,19 +212,19 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     resumed = _resume(cfg, job_dir, model, optimizer, scheduler, scaler)
     start_step = resumed.step if resumed else 0
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
-    loader = idist.auto_dataloader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True,
-                                   num_workers=cfg.data.num_workers, seed=cfg.trainer.seed)
-    eval_loader = idist.auto_dataloader(eval_set, batch_size=cfg.data.eval_batch_size, shuffle=False,
-                                        num_workers=cfg.data.num_workers)
+    loader = data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed)
+    eval_loader = data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers)
     trainer = cfg.trainer
     log.info("training %s steps: wrap=%s precision=%s on %s, world size %d", trainer.max_steps, cfg.wrap.name,
              cfg.precision.name, device, world)
 
     result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)
     progress = _progress(cfg)
-    batches = checkpoint.batches_from(loader, start_step)
+    batches = data.Batches(loader, start_step, cfg.trainer.seed)
+    if resumed is not None:
+        checkpoint.restore_rng(resumed.rng)  # now: nothing draws between here and the first step
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
-    saver = _Saver(cfg, job_dir, model, optimizer, scheduler, scaler)
+    saver = _Saver(cfg, job_dir, model, optimizer, scheduler, scaler, saved_config)
     window_start, window_steps, window_samples = time.perf_counter(), 0, 0
     # Logged steps wait here for their loss to be averaged over the ranks: one all_reduce per SYNC_STEPS steps
     # at most, so logging every step costs no synchronization at every step.
@@ -266,7 +275,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             logged = []
         if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step:
             eval_began = time.perf_counter()
-            eval_loss, eval_accuracy = evaluate(model, eval_loader, device)
+            eval_loss, eval_accuracy, _ = evaluate(model, eval_loader, device)
             if steady_start is not None:
                 eval_seconds += time.perf_counter() - eval_began
             log.info("step %d eval loss %.4f accuracy %.3f", step, eval_loss, eval_accuracy)
@@ -280,7 +289,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     if steady_start is not None and steady_samples:
         result.steady_samples_per_s = steady_samples / (time.perf_counter() - steady_start - eval_seconds)
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
-    result.eval_loss, result.eval_accuracy = evaluate(model, eval_loader, device)
+    result.eval_loss, result.eval_accuracy, _ = evaluate(model, eval_loader, device)
     peaks = idist.all_gather(peak_memory_bytes(device))
     result.peak_memory_bytes = [int(p) for p in peaks]
     if events is not None:

@@ -75,6 +75,31 @@ def _run_id(job: Path) -> str:
     return (job / "mlflow_run_id").read_text().strip()
 
 
+GPT_DROPOUT = ["model=gpt", "data=text", "model.depth=1", "model.dim=32", "model.heads=2", "model.dropout=0.2",
+               "data.seq_len=16", "data.batch_size=8", "trainer.log_every=1", "trainer.eval_every=0",
+               "trainer.max_steps=14", "tracking.enabled=false"]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_dropout_model_stopped_and_resumed_ends_where_an_uninterrupted_run_does(tmp_path, wrap):
+    # Dropout draws random numbers at every step: a resume must restore the RNG exactly where the stopped run
+    # was, after the data loader made its iterator (which used to draw from the same RNG).
+    full = run_cli(f"wrap={wrap}", *GPT_DROPOUT, "checkpoint.save_last=true", cwd=tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    stopped = run_cli(f"wrap={wrap}", *GPT_DROPOUT, "trainer.stop_at_step=10", cwd=tmp_path / "stopped")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    [stopped_job] = job_dirs(tmp_path / "stopped")
+    resumed = run_cli(f"wrap={wrap}", *GPT_DROPOUT, "checkpoint.save_last=true", "checkpoint.resume=latest",
+                      f"checkpoint.dir={stopped_job / 'checkpoints'}", cwd=tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [full_job], [resumed_job] = job_dirs(tmp_path / "full"), job_dirs(tmp_path / "resumed")
+    assert min(losses(resumed_job)) == 11
+    assert losses(resumed_job)[11] == losses(full_job)[11]
+    reference = export(full_job / "checkpoints" / "step_00000014", tmp_path / "full.pt")
+    continued = export(stopped_job / "checkpoints" / "step_00000014", tmp_path / "resumed.pt")
+    assert max_diff(reference, continued) <= 1e-6
+
+
 RESHARDING = [("fsdp2", 2, "ddp", 1), ("ddp", 2, "fsdp", 2), ("fsdp", 2, "fsdp2", 1)]
 
 

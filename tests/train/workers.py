@@ -30,3 +30,25 @@ def killed_during_save(local_rank: int, root: str) -> None:
 
     dcp.save = save_then_die  # checkpoint imports torch.distributed.checkpoint when it saves: it sees this
     checkpoint.save(Path(root), 20, model, optimizer, {"config": {}})
+
+
+def evaluate_all_digits(local_rank: int) -> dict:
+    """The loop's evaluation over all 1797 digits, and the model's FLOPs per token seen before and after FSDP1."""
+    from hydraddp.build import flops_per_token
+    from hydraddp.data.digits import digits
+    from hydraddp.models.gpt import GPT
+    from hydraddp.models.mlp import MLP
+    from hydraddp.train import data
+    from hydraddp.train.loop import evaluate
+
+    _, every_digit = digits(eval_fraction=1.0)
+    torch.manual_seed(0)
+    model = idist.auto_model(MLP())
+    evaluation = evaluate(model, data.eval_loader(every_digit, 256, 0), idist.device())
+    torch.manual_seed(0)
+    gpt = GPT(depth=2, dim=32, heads=2, seq_len=16)
+    bare_flops = flops_per_token(gpt)
+    if idist.get_world_size() == 1:
+        return {"evaluation": tuple(evaluation), "bare_flops": bare_flops}
+    sharded = idist.auto_model(gpt, wrap="fsdp")
+    return {"evaluation": tuple(evaluation), "bare_flops": bare_flops, "shard_flops": sharded.module.flops_per_token()}
