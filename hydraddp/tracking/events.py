@@ -37,16 +37,23 @@ class EventWriter:
         self._file.close()
 
 
-def read_events(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """Complete events from byte ``offset`` on, and the offset after the last complete line."""
+def read_events(path: Path, offset: int = 0, with_ends: bool = False):
+    """Complete events from byte ``offset`` on, and the offset after the last complete line; with
+    ``with_ends``, the offset after each event instead (so progress can be saved event by event)."""
     if not path.exists():
-        return [], offset
+        return [], ([] if with_ends else offset)
     with path.open("rb") as f:
         f.seek(offset)
         data = f.read()
-    end = data.rfind(b"\n") + 1  # a line still being written is left for next time
-    events = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-    return events, offset + end
+    events, ends, position = [], [], offset
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break  # a line still being written is left for next time
+        position += len(line)
+        if line.strip():
+            events.append(json.loads(line))
+            ends.append(position)
+    return events, (ends if with_ends else position)
 
 
 def write_report(job_dir: str | Path, reports: list[dict[str, Any]]) -> Path:

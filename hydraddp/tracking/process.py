@@ -3,9 +3,9 @@
 Importing mlflow and creating a run costs about 1.5 CPU-seconds. In a thread of the launcher that work
 competed for the GIL with the launcher's own ``import torch``. As its own process it starts before the
 launcher imports torch, on the core the launcher leaves idle, and has created the run by the time the
-ranks take their first step. From then on it only sends batches of events, under ``SCHED_IDLE`` (Linux):
-it takes what the ranks leave, and a rank that wakes preempts it at once. (Deferring the import itself
-to idle time was tried: it then landed in the ranks' first seconds of training and cost them 5-10%.)
+ranks take their first step. From then on it only sends batches of events, at nice 19 (Linux): the ranks
+come first, but it is never starved. (Deferring the import itself to idle time was tried: it then landed
+in the ranks' first seconds of training and cost them 5-10%.)
 
 The launcher sends two JSON lines on the tracker's stdin: the run's settings at start, the final status
 at the end. The tracker writes the run id to ``<job dir>/mlflow_run_id`` and prints, like the launcher
@@ -88,9 +88,11 @@ class TrackerProcess:
 
 
 def _yield_cpu() -> None:
-    """The calling thread runs only when a core would otherwise idle (on Linux a thread has its own policy)."""
+    """The lowest normal priority for the calling thread (on Linux a thread has its own nice value): training
+    ranks come first, but a busy machine still gives the sender a share. (``SCHED_IDLE`` starved it until
+    the training ended, and the backlog then outlasted the flush timeout.)"""
     if sys.platform == "linux":
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
 def main() -> int:

@@ -25,7 +25,8 @@ from hydraddp.tracking.events import EVENTS_FILE, read_events
 
 log = logging.getLogger(__name__)
 SENT_OFFSET_FILE = "events.sent"
-BATCH = 1000  # MLflow's limit of metrics per log_batch
+# MLflow's documented limits for one log_batch request: 1000 metrics, 100 params, 100 tags, 1000 in all.
+MAX_METRICS, MAX_PARAMS, MAX_TAGS, MAX_ENTITIES = 1000, 100, 100, 1000
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 
@@ -83,6 +84,9 @@ class LaunchRun:
         # A resume also asks the server how far the run got; a plain tracking.run_id=... just appends.
         self._last_step: dict[str, int] = {}
         self._resuming = resuming and run_id is not None
+        self._appending = run_id is not None and not resuming
+        self._unsure = False  # a request failed: did the server take it? Ask before sending again.
+        self._read_back = False  # the server's latest steps were read
         self._created = threading.Event()
         self._stop = threading.Event()  # the launch ended: send what is left, then return
         self._abort = threading.Event()  # finish() gave up waiting: return now
@@ -151,28 +155,60 @@ class LaunchRun:
         return sum(1 for e in events if "metric" in e)
 
     def _send_pending(self) -> bool:
-        """Send what the file holds past our offset, in batches; True when nothing was left."""
+        """Send what the file holds past our offset, one request at a time within MLflow's limits, committing
+        the offset after each accepted request; True when nothing was left.
+
+        A request that failed may still have reached the server (a timeout): before sending again, the run's
+        latest step per metric is read back, so no point is logged twice and none is skipped.
+        """
         from mlflow.entities import Metric, RunTag
 
-        events, end = read_events(self.events_path, self._offset)
+        events, ends = read_events(self.events_path, self._offset, with_ends=True)
         if not events:
             return True
-        metrics = [Metric(e["metric"], e["value"], e["ts"], e["step"]) for e in events
-                   if "metric" in e and e["step"] > self._last_logged(e["metric"])]
-        tags = [RunTag(e["tag"], e["value"]) for e in events if "tag" in e]
-        for i in range(0, max(len(metrics), 1), BATCH):
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + BATCH], tags=tags if i == 0 else [])
-        for metric in metrics:
-            self._last_step[metric.key] = max(self._last_step[metric.key], metric.step)
-        self._offset, self._sent = end, self._sent + len(metrics)
-        self._offset_path.write_text(str(end))
+        if self._unsure:
+            self._read_back_last_steps()
+        metrics: list[Metric] = []
+        tags: list[RunTag] = []
+        pending_steps: dict[str, int] = {}
+        for event, end in zip(events, ends):
+            if "metric" in event:
+                key = event["metric"]
+                if event["step"] > pending_steps.get(key, self._last_logged(key)):
+                    metrics.append(Metric(key, event["value"], event["ts"], event["step"]))
+                    pending_steps[key] = event["step"]
+            else:
+                tags.append(RunTag(event["tag"], event["value"]))
+            full = len(metrics) == MAX_METRICS or len(tags) == MAX_TAGS or len(metrics) + len(tags) == MAX_ENTITIES
+            if full or end == ends[-1]:
+                self._send_batch(metrics, tags, pending_steps, end)
+                metrics, tags, pending_steps = [], [], {}
         return False
 
+    def _send_batch(self, metrics: list, tags: list, steps: dict[str, int], end: int) -> None:
+        if metrics or tags:
+            self._unsure = True  # until the server says it took the request
+            self._client.log_batch(self.run_id, metrics=metrics, tags=tags)
+            self._unsure = False
+        self._last_step.update(steps)
+        self._offset, self._sent = end, self._sent + len(metrics)
+        tmp = self._offset_path.with_name(self._offset_path.name + ".tmp")
+        tmp.write_text(str(end))
+        os.replace(tmp, self._offset_path)  # atomic: a crash leaves the old offset or the new one
+
+    def _read_back_last_steps(self) -> None:
+        """The run's latest step of every metric, as the server holds it (MLflow keeps the highest step)."""
+        self._unsure, self._read_back = False, True
+        if self._appending:
+            return  # a plain tracking.run_id continuation logs its steps again on purpose: nothing to compare
+        latest = getattr(self._client.get_run(self.run_id).data, "_metric_objs", [])
+        for metric in latest:
+            self._last_step[metric.key] = max(self._last_step.get(metric.key, -1), metric.step)
+
     def _last_logged(self, key: str) -> int:
-        if key not in self._last_step:
-            history = self._client.get_metric_history(self.run_id, key) if self._resuming else []
-            self._last_step[key] = max((m.step for m in history), default=-1)
-        return self._last_step[key]
+        if key not in self._last_step and self._resuming and not self._read_back:
+            self._read_back_last_steps()  # a resume or a restart: the run may hold these steps already
+        return self._last_step.setdefault(key, -1)
 
     # -- the end of the launch -------------------------------------------------------------------
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
@@ -213,7 +249,7 @@ class LaunchRun:
 def sync(job_dir: Path, uri: str, status: str | None) -> int:
     """Send a job directory's events to its run (the command ``finish`` prints when a server stayed away)."""
     run_id = (job_dir / names.RUN_ID_FILE).read_text().strip()
-    run = LaunchRun(uri, "", job_dir, {}, [], {}, run_id=run_id)
+    run = LaunchRun(uri, "", job_dir, {}, [], {}, run_id=run_id, resuming=True)  # the last request may have landed
     run._client = mlflow_client(uri)
     run._created.set()
     while not run._send_pending():

@@ -3,7 +3,9 @@ metrics by the contract's names; sweeps as parent and children; true final statu
 a server that goes away mid-run loses nothing."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -180,24 +182,34 @@ def test_under_torchrun_one_run_is_made(mlflow_server, tmp_path):
     assert loss_steps(mlflow_server.client(), run.info.run_id) == [4, 8, 12]
 
 
-def test_a_server_that_goes_away_mid_run_loses_no_point(tmp_path):
+def burn_cpu(cores: int = 2) -> list[subprocess.Popen]:
+    """Busy loops at normal priority on every core: training and the tracker compete with them."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+
+
+def test_a_server_killed_for_20s_on_a_busy_machine_loses_no_point_and_logs_none_twice(tmp_path):
     server = MlflowServer(tmp_path / "server").start()
     experiment, token = "outage", uuid.uuid4().hex
-    steps = 300
+    steps = 1500
     proc = subprocess.Popen([sys.executable, "-m", "hydraddp", f"trainer.max_steps={steps}", "trainer.log_every=1",
-                             "model.hidden=[1024,1024]", *tracked(server, experiment)],
+                             "trainer.eval_every=0", "model.hidden=[32]", "tracking.flush_timeout_s=240",
+                             *tracked(server, experiment)],
                             cwd=tmp_path, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    burners = burn_cpu()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while not any(r.data.metrics.get(names.LOSS) for r in runs_of(server, experiment)):
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.2)
-        server.stop()  # the server goes away while the workers train on
-        time.sleep(5)
-        server.start()  # and comes back on the same port
-        out, err = proc.communicate(timeout=180)
+        os.killpg(server.proc.pid, signal.SIGKILL)  # the server dies while the workers train on
+        server.proc.wait()
+        time.sleep(20)
+        server.start(timeout_s=180)  # and comes back on the same port, with the same store
+        out, err = proc.communicate(timeout=400)
     finally:
+        for burner in burners:
+            burner.kill()
         proc.kill()
         server.stop()
     assert proc.returncode == 0, err[-3000:]
@@ -206,9 +218,42 @@ def test_a_server_that_goes_away_mid_run_loses_no_point(tmp_path):
     try:
         [run] = runs_of(server, experiment)
         assert run.info.status == "FINISHED"
-        assert loss_steps(server.client(), run.info.run_id) == list(range(1, steps + 1))
+        client = server.client()
+        for key in (names.LOSS, names.SAMPLES_PER_S, names.STEP_TIME_S):
+            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, steps + 1))
     finally:
         server.stop()
+
+
+def test_a_backlog_is_sent_within_mlflows_per_request_limits(mlflow_server, tmp_path):
+    from hydraddp.tracking.events import EventWriter
+    from hydraddp.tracking.run import LaunchRun
+
+    events = EventWriter(tmp_path / "events.jsonl")
+    for step in range(1, 1001):  # exactly MLflow's 1000 metrics, and a tag: one request would be refused
+        events.metrics({names.LOSS: 1.0 / step}, step)
+    events.tag("hydraddp.restarts", "1")
+    for step in range(1001, 1101):
+        events.metrics({names.LOSS: 1.0 / step, names.SAMPLES_PER_S: float(step)}, step)
+    events.close()
+    run = LaunchRun(mlflow_server.uri, f"limits-{uuid.uuid4().hex[:6]}", tmp_path, {"a": 1}, [], {})
+    run._create()
+    sizes, send = [], run._client.log_batch
+
+    def recorded(run_id, metrics=(), params=(), tags=()):
+        # Each call must be one request MLflow takes whole: the client splits larger ones into several
+        # requests, and a failure between them used to resend (and duplicate) the ones that had landed.
+        sizes.append((len(metrics), len(tags)))
+        return send(run_id, metrics=metrics, params=params, tags=tags)
+
+    run._client.log_batch = recorded
+    while not run._send_pending():
+        pass
+    assert all(metrics <= 1000 and tags <= 100 and metrics + tags <= 1000 for metrics, tags in sizes), sizes
+    client = mlflow_server.client()
+    assert loss_steps(client, run.run_id) == list(range(1, 1101))
+    assert client.get_run(run.run_id).data.tags["hydraddp.restarts"] == "1"
+    assert int((tmp_path / "events.sent").read_text()) == (tmp_path / "events.jsonl").stat().st_size
 
 
 def test_a_server_that_never_comes_back_keeps_the_points_and_says_how_to_send_them(tmp_path):
