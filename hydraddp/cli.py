@@ -52,26 +52,29 @@ def _report_problems(problems: list, job_dir: Path) -> None:
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _resume_problems(cfg: DictConfig, job_dir: Path) -> list:
-    """Resolve ``checkpoint.resume`` once, here; a resumed run continues its MLflow run unless told otherwise."""
+def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list, dict[str, Any] | None]:
+    """Resolve ``checkpoint.resume`` once, here, and check it holds this model (on the meta device: no memory,
+    no process group). A resumed run continues its MLflow run unless told otherwise. Returns the problems
+    and, for the run's history, where the resume starts."""
     if not cfg.checkpoint.resume:
-        return []
+        return [], None
     from hydraddp.distributed.compat import Problem
-    from hydraddp.train.checkpoint import CheckpointError, check_readable, find, read_meta
+    from hydraddp.train.checkpoint import CheckpointError, check_model_matches, check_readable, find, read_meta
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
     try:
         path = find(root, cfg.checkpoint.resume)
         meta = read_meta(path)
         check_readable(path)
+        check_model_matches(path, cfg.model)
     except CheckpointError as exc:
-        return [Problem(("checkpoint.resume",), str(exc), "")]
+        return [Problem(("checkpoint.resume",), str(exc), "")], None
     cfg.checkpoint.resume = str(path.resolve())
     run_id_file = Path(meta["job_dir"], names.RUN_ID_FILE) if meta.get("job_dir") else None
     run_id = meta.get("run_id") or (run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None)
     if not cfg.tracking.run_id and run_id:
         cfg.tracking.run_id = run_id
-    return []
+    return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
 def _tracks_here(cfg: DictConfig) -> bool:
@@ -96,7 +99,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     overrides = list(hydra_cfg.overrides.task)
     outcome: dict[str, Any] = {"job_dir": str(job_dir), "overrides": overrides}
 
-    found = problems(cfg) + _resume_problems(cfg, job_dir)
+    found = problems(cfg)
+    resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found else ([], None)
+    found += resume_problems
     tracks = _tracks_here(cfg)
     if tracks and not found:
         from hydraddp.tracking.setup import preflight, tracking_uri
@@ -125,7 +130,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from hydraddp.tracking.setup import launch_run
 
         combo = combination_of(cfg)
-        tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size)
+        tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size, resumed_from)
         tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
     from hydraddp.distributed import WorkerFailedError  # imports torch: after the tracker has started
 

@@ -9,6 +9,10 @@ from typing import Any
 
 TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SIZE = (
     "hydraddp.backend", "hydraddp.wrap", "hydraddp.precision", "hydraddp.offload", "hydraddp.world_size")
+CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SIZE)
+# On a resumed run: a JSON list, one entry per resume, of the checkpoint and step it resumed from and the
+# contract tags the run had until then (the tags themselves always say what the run runs with now).
+TAG_RESUMED_FROM = "hydraddp.resumed_from"
 TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
 TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
 TAG_PARENT = "mlflow.parentRunId"
@@ -25,6 +29,7 @@ AGGREGATES = ("max", "min", "mean")
 REDACTED = "***redacted***"
 TRUNCATED = "...[truncated; full value in config.yaml]"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+MAX_TAG_LENGTH = 8000  # MLflow's limit on a tag value
 SECRET_KEY = re.compile(r"pass(word|wd)?|token|secret|api[_-]?key|credential|private[_-]?key", re.I)
 ENV_INTERPOLATION = re.compile(r"\$\{oc\.env:")
 

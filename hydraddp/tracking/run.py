@@ -9,6 +9,7 @@ events stay in the job directory with the command that imports them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -71,8 +72,11 @@ class LaunchRun:
     """
 
     def __init__(self, uri: str, experiment: str, job_dir: Path, config: dict[str, Any], overrides: list[str],
-                 tags: dict[str, str], run_id: str | None = None, run_name: str | None = None, resuming: bool = False):
+                 tags: dict[str, str], run_id: str | None = None, run_name: str | None = None, resuming: bool = False,
+                 resumed_from: dict[str, Any] | None = None):
+        """``resumed_from``: the checkpoint a resume starts from (``{"checkpoint": path, "step": N}``)."""
         self.uri, self.experiment, self.job_dir = uri, experiment, Path(job_dir)
+        self.resumed_from = resumed_from
         self.config, self.overrides, self.tags = config, overrides, tags
         self.run_id, self.run_name = run_id, run_name
         self.events_path = self.job_dir / EVENTS_FILE
@@ -92,6 +96,8 @@ class LaunchRun:
         self._abort = threading.Event()  # finish() gave up waiting: return now
         self._thread: threading.Thread | None = None
         self._client: Any = None
+        self._prior: Any = None  # a continued run as this launch found it
+        self._active = False  # params, tags and status are this launch's
 
     # -- the background thread -------------------------------------------------------------------
     def start(self, once_created: Callable[[], None] | None = None) -> None:
@@ -131,24 +137,46 @@ class LaunchRun:
     def _create(self) -> None:
         client = self._client or mlflow_client(self.uri)
         self._client = client
-        if self.run_id:  # continue an existing run (tracking.run_id=..., or a resume)
-            client.update_run(self.run_id, status="RUNNING")
+        if self.run_id:  # continue an existing run (tracking.run_id=..., a resume, a restart under torchrun)
+            # Left as it is until this launch takes a step: a launch that fails before that (a checkpoint of
+            # another model, a bad learning rate) must not mark a FINISHED run FAILED.
+            self._prior = client.get_run(self.run_id)
         else:
             experiment = client.get_experiment_by_name(self.experiment)
             experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment)
             self.run_id = client.create_run(experiment_id, tags=self.tags, run_name=self.run_name).info.run_id
-        from mlflow.entities import Param, RunTag
-
-        flat = sorted(names.params(self.config).items())
-        existing = client.get_run(self.run_id).data.params
-        for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per batch
-            chunk = [Param(k, v) for k, v in flat[i:i + 100] if k not in existing]
-            client.log_batch(self.run_id, params=chunk, tags=[RunTag(k, v) for k, v in self.tags.items()] if i == 0 else [])
-        client.log_text(self.run_id, yaml.safe_dump(self.config, sort_keys=False), "config.yaml")
-        client.log_text(self.run_id, yaml.safe_dump(self.overrides), "overrides.yaml")
+            self._record(self.tags)
         (self.job_dir / names.RUN_ID_FILE).write_text(self.run_id)
         self._created.set()
         log.info("MLflow run %s at %s", self.run_id, self.uri)
+
+    def _record(self, tags: dict[str, str]) -> None:
+        """The run's params (those it has not got: MLflow keeps a param's first value), tags and config."""
+        from mlflow.entities import Param, RunTag
+
+        flat = sorted(names.params(self.config).items())
+        existing = self._client.get_run(self.run_id).data.params
+        missing = [Param(k, v) for k, v in flat if k not in existing]
+        tag_list = [RunTag(k, v) for k, v in tags.items()]
+        for i in range(0, max(len(missing), len(tag_list), 1), MAX_PARAMS):
+            self._client.log_batch(self.run_id, params=missing[i:i + MAX_PARAMS], tags=tag_list[i:i + MAX_TAGS])
+        self._client.log_text(self.run_id, yaml.safe_dump(self.config, sort_keys=False), "config.yaml")
+        self._client.log_text(self.run_id, yaml.safe_dump(self.overrides), "overrides.yaml")
+        self._active = True
+
+    def _activate(self) -> None:
+        """A continued run takes part from this launch's first event on: RUNNING, and tagged with the settings
+        it runs with now. A resume also appends what the run ran with before to ``hydraddp.resumed_from``."""
+        if self._active:
+            return
+        self._client.update_run(self.run_id, status="RUNNING")
+        tags = dict(self.tags)
+        if self.resumed_from is not None:
+            before = self._prior.data.tags
+            history = json.loads(before.get(names.TAG_RESUMED_FROM, "[]"))
+            history.append({**self.resumed_from, **{k.removeprefix("hydraddp."): before.get(k) for k in names.CONTRACT_TAGS}})
+            tags[names.TAG_RESUMED_FROM] = json.dumps(history)[:names.MAX_TAG_LENGTH]
+        self._record(tags)
 
     def _pending_count(self) -> int:
         events, _ = read_events(self.events_path, self._offset)
@@ -166,6 +194,7 @@ class LaunchRun:
         events, ends = read_events(self.events_path, self._offset, with_ends=True)
         if not events:
             return True
+        self._activate()
         if self._unsure:
             self._read_back_last_steps()
         metrics: list[Metric] = []
@@ -223,6 +252,10 @@ class LaunchRun:
                 raise RuntimeError("the run was never created")
             while not self._send_pending():  # anything the thread had no time for
                 pass
+            if not self._active:
+                print(f"hydraddp: the launch ended ({status}) before its first step; MLflow run {self.run_id} "
+                      f"keeps its status {self._prior.info.status}.", flush=True)
+                return True
             self._upload_artifacts(error)
             self._client.set_terminated(self.run_id, status)
             return True
@@ -251,6 +284,7 @@ def sync(job_dir: Path, uri: str, status: str | None) -> int:
     run_id = (job_dir / names.RUN_ID_FILE).read_text().strip()
     run = LaunchRun(uri, "", job_dir, {}, [], {}, run_id=run_id, resuming=True)  # the last request may have landed
     run._client = mlflow_client(uri)
+    run._prior, run._active = run._client.get_run(run_id), True  # the launch did run: its points are real
     run._created.set()
     while not run._send_pending():
         pass

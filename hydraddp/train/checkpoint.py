@@ -190,6 +190,16 @@ def check_matches(path: Path, expected: dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: {key} has shape {tuple(size)} in the checkpoint but {shape} here.")
 
 
+def check_model_matches(path: Path, model_cfg: Any) -> None:
+    """Refuse, before any worker starts, a checkpoint whose model is not the one ``model_cfg`` builds. The
+    model is built on the meta device: shapes without memory."""
+    from hydraddp.config.instantiate import instantiate, model_kwargs
+
+    with torch.device("meta"):
+        model = instantiate(model_kwargs(model_cfg), "model")
+    check_matches(path, {"model": model.state_dict()})
+
+
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
