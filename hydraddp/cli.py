@@ -42,14 +42,18 @@ def prepare_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+def _remove_if_untouched(job_dir: Path) -> None:
+    """Remove a job directory that holds only Hydra's copy of the config. (Ranks other than 0 under torchrun
+    run in "." with no copy: nothing of theirs to remove.)"""
+    if HydraConfig.get().output_subdir is not None and all(p.name == ".hydra" for p in job_dir.iterdir()):
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
 def _report_problems(problems: list, job_dir: Path) -> None:
     print("hydraddp: invalid configuration; nothing was started:", file=sys.stderr)
     for problem in problems:
         print(f"- {problem}", file=sys.stderr)
-    # The job directory Hydra made holds only its copy of the config: no half-written run is left behind.
-    # (Ranks other than 0 under torchrun run in "." with no copy: nothing of theirs to remove.)
-    if HydraConfig.get().output_subdir is not None and all(p.name == ".hydra" for p in job_dir.iterdir()):
-        shutil.rmtree(job_dir, ignore_errors=True)
+    _remove_if_untouched(job_dir)  # no half-written run is left behind
 
 
 def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list, dict[str, Any] | None]:
@@ -123,6 +127,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               file=sys.stderr, flush=True)
     from hydraddp.launch import launch, redacted, resolved
 
+    restarted = False
+    attached = detect_launch_env()
+    if attached is not None and attached.rank == 0 and attached.world_size > 1:
+        from hydraddp.launch import job_dir_from_agent
+
+        agreed = job_dir_from_agent(str(job_dir), decides=True)
+        if agreed is not None and Path(agreed) != job_dir:
+            # torchrun restarted the group: go on in the first attempt's directory, its run and checkpoints.
+            _remove_if_untouched(job_dir)
+            job_dir, restarted = Path(agreed), True
+            outcome["job_dir"] = str(job_dir)
+            run_id_file = job_dir / names.RUN_ID_FILE
+            if run_id_file.exists() and not cfg.tracking.run_id:
+                cfg.tracking.run_id = run_id_file.read_text().strip()
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
     if tracks:
@@ -130,9 +148,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from hydraddp.tracking.setup import launch_run
 
         combo = combination_of(cfg)
-        tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size, resumed_from)
+        tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size, resumed_from,
+                             restarted)
         tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
-    from hydraddp.distributed import WorkerFailedError  # imports torch: after the tracker has started
+    from hydraddp.distributed import ConfigurationError, WorkerFailedError  # torch: after the tracker started
 
     events_path = tracker.events_path if tracker else None
     try:
@@ -140,10 +159,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except WorkerFailedError as exc:
         if tracker:
             tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=cfg.tracking.flush_timeout_s)
-        print(f"hydraddp: {exc}. Logs: {job_dir / 'logs'}", file=sys.stderr)
+        invalid = exc.error.startswith(f"{ConfigurationError.__name__}: ")
+        if invalid:  # found by the workers before training (a checkpoint root that not every node sees)
+            print(f"hydraddp: invalid configuration (rank {exc.rank}, before training):\n"
+                  f"{exc.error.split(': ', 1)[1]}", file=sys.stderr)
+        else:
+            print(failure_block(exc, job_dir / "logs" / f"rank{exc.rank}.log"), file=sys.stderr)
         if not sweeping:
-            sys.exit(EXIT_WORKER_FAILED)
-        return {**outcome, "status": "failed", "error": str(exc), "run_id": tracker.run_id if tracker else None}
+            sys.exit(EXIT_INVALID if invalid else EXIT_WORKER_FAILED)
+        return {**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
+                "run_id": tracker.run_id if tracker else None}
     except BaseException as exc:
         if tracker:
             tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc),
@@ -159,6 +184,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
               f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}.{run}", flush=True)
     return {**outcome, "status": "ok", **result}
+
+
+LAST_FRAMES = 3
+
+
+def failure_block(exc: Any, log_file: Path) -> str:
+    """A worker's failure in a few lines: the rank and its error, the last frames, and where the whole
+    traceback is (the rank's log)."""
+    frames = re.findall(r'^  File "([^"]+)", line (\d+), in (\S+)\n(?:    (.+)\n)?', exc.traceback, re.M)
+    lines = [f"hydraddp: {exc}"]
+    for path, line, function, code in frames[-LAST_FRAMES:]:
+        lines.append(f"  {path}:{line} in {function}" + (f": {code.strip()}" if code else ""))
+    where = log_file if log_file.exists() else log_file.parent
+    lines.append(f"  full traceback: {where}")
+    return "\n".join(lines)
 
 
 def main(hydra_main: Any, argv: list[str], started_at: float | None = None) -> None:

@@ -23,11 +23,11 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     """
     from hydraddp.tracking.events import EventWriter
     from hydraddp.train import train
-    from hydraddp.train.logs import setup_rank_logging
+    from hydraddp.train.logs import FILE_ONLY, setup_rank_logging
 
-    if attached and idist.get_world_size() > 1:
-        # Under torchrun every process made its own choice of directory; all of them take rank 0's.
-        job_dir = idist.broadcast(job_dir, src=0)
+    # Each node's launcher (or, under torchrun, each process) made its own job directory: all take one.
+    decides = idist.get_rank() == 0 if attached else plain_cfg["launcher"]["node_rank"] == 0 and local_rank == 0
+    job_dir = agreed_job_dir(job_dir, decides)
     setup_rank_logging(idist.get_rank(), Path(job_dir))
     log.info("rank %d pid %d", idist.get_rank(), os.getpid())
     events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None
@@ -38,11 +38,39 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
         result = train(OmegaConf.create(plain_cfg), Path(job_dir), events, saved_config)
         return {**result.to_dict(), "job_dir": job_dir}
     except Exception:
-        logging.getLogger(__name__).exception("training failed")
+        log.exception("training failed", extra={FILE_ONLY: True})
         raise
     finally:
         if events is not None:
             events.close()
+
+
+JOB_DIR_KEY = "hydraddp/job_dir"
+
+
+def job_dir_from_agent(proposed: str, decides: bool) -> str | None:
+    """The launch's job directory as torch's elastic agent keeps it, or None when no agent started us.
+
+    The deciding process (node 0's, or rank 0 under torchrun) sets it once; the agent's store outlives
+    restarts, so a restarted group, whose processes composed new directories, goes on in the first one
+    and finds its checkpoints there.
+    """
+    from hydraddp.distributed.native import agent_store
+
+    store = agent_store()
+    if store is None:
+        return None
+    key = f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return (store.compare_set(key, "", proposed) if decides else store.get(key)).decode()
+
+
+def agreed_job_dir(proposed: str, decides: bool) -> str:
+    """One job directory for every rank of the launch, on every node and across restarts: the deciding
+    process's, through the elastic agent's store, else rank 0's broadcast (SLURM, Horovod)."""
+    agreed = job_dir_from_agent(proposed, decides)
+    if agreed is not None:
+        return agreed
+    return idist.broadcast(proposed, src=0) if idist.get_world_size() > 1 else proposed
 
 
 def resolved(cfg: DictConfig) -> dict[str, Any]:

@@ -70,10 +70,10 @@ def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
                             "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *QUICK],
                            tmp_path / f"node{rank}") for rank in (0, 1)])
     assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-3000:] for node in nodes]
-    # One training of world size 2: each node keeps its own job directory with the logs of the rank it hosts
-    # (torch's rendezvous decides which), and both ranks logged the same global losses.
+    # One training of world size 2, in one job directory: node 0's, where both ranks logged the same losses.
     assert finished(nodes[0].stdout)[:2] == (12, 2)
-    logs = [log for node in (0, 1) for job in job_dirs(tmp_path / f"node{node}") for log in (job / "logs").iterdir()]
+    [job] = job_dirs(tmp_path / "node0")
+    logs = list((job / "logs").glob("rank*.log"))
     assert sorted(log.name for log in logs) == ["rank0.log", "rank1.log"]
     losses = [re.findall(r"step 12 loss ([\d.]+)", log.read_text()) for log in logs]
     assert losses[0] == losses[1] != []
@@ -117,10 +117,16 @@ def test_help_lists_every_group_and_its_options(tmp_path):
     assert "experiment: gpt_fsdp2, quick, wrap_sweep" in done.stdout
 
 
-def test_a_failing_worker_exits_1_naming_the_rank(tmp_path):
+def test_a_failing_worker_exits_1_with_one_short_block(tmp_path):
     done = run_cli("optim.optimizer.lr=-1", *QUICK, cwd=tmp_path)
     assert done.returncode == 1
-    assert re.search(r"hydraddp: rank \d failed: ValueError: Invalid learning rate: -1", done.stderr)
+    rank = re.search(r"hydraddp: rank (\d) failed: ValueError: Invalid learning rate: -1", done.stderr)[1]
+    # One block: the rank and error, the last frames, where the whole traceback is. Not two full tracebacks.
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) <= 10, done.stderr
+    assert re.search(r"adam\.py:\d+ in __init__: raise ValueError", done.stderr)
+    [job] = job_dirs(tmp_path)
+    assert f"full traceback: {job / 'logs' / f'rank{rank}.log'}" in done.stderr
+    assert "Traceback (most recent call last)" in (job / "logs" / f"rank{rank}.log").read_text()
 
 
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):

@@ -142,6 +142,19 @@ def _worker_env(updates: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def _quiet_elastic_errors() -> Iterator[None]:
+    """torch's agent logs every failed worker's traceback at ERROR; ``WorkerFailedError`` carries it already,
+    so a failure is reported once, by whoever catches that error."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class Parallel:
     """Run ``fn(local_rank, *args)`` on every rank.
 
@@ -285,7 +298,7 @@ class Parallel:
         entry = _Entry(self.backend, fn, args, kwargs, self.init_kwargs, failure_dir,
                        forked=config.start_method == "fork")
         try:
-            with _worker_env(env):
+            with _worker_env(env), _quiet_elastic_errors():
                 return elastic_launch(config, _run_entry)(entry)
         except ChildFailedError as exc:
             raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None

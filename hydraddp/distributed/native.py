@@ -31,15 +31,25 @@ def native_backends_available() -> tuple[str, ...]:
     return tuple(name for name in NATIVE_BACKENDS if checks[name]())
 
 
+def agent_store(timeout: datetime.timedelta | None = None) -> dist.Store | None:
+    """The store of torch's elastic agent (torchrun's, or ``Parallel``'s), shared by every worker of one launch
+    and kept across restarts; None when no agent started this process."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timeout or datetime.timedelta(minutes=30))
+
+
 def _attempt_store(launch: LaunchEnv, timeout: datetime.timedelta | None) -> dist.Store | None:
     """Under torch's elastic agent, the workers' store is the agent's, and it outlives a restart: without a
     prefix per attempt, restarted ranks read the dead ranks' addresses and gloo's connect fails or hangs."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    store = agent_store(timeout)
+    if store is None:
         return None
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import PrefixStore
 
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size, is_master=False,
-                     timeout=timeout or datetime.timedelta(minutes=30))
     return PrefixStore(f"hydraddp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

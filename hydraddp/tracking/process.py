@@ -96,8 +96,14 @@ def _yield_cpu() -> None:
 
 
 def main() -> int:
+    import fcntl
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher reports an interrupt as KILLED
     settings = json.loads(sys.stdin.readline())["settings"]
+    # One sender per job directory: after a restart under torchrun, the previous attempt's tracker may still
+    # be flushing the same events file; this one waits for it (the kernel drops the lock when it exits).
+    lock = open(Path(settings["job_dir"]) / "tracker.lock", "w")  # noqa: SIM115 - held until this process ends
+    fcntl.flock(lock, fcntl.LOCK_EX)
     run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
     run.start(once_created=_yield_cpu)
     line = sys.stdin.readline()

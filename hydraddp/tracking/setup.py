@@ -20,7 +20,8 @@ def tracking_uri(cfg: DictConfig) -> str:
 
 
 def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrides: list[str],
-               realized_wrap: str, world_size: int, resumed_from: dict[str, Any] | None = None) -> TrackerProcess:
+               realized_wrap: str, world_size: int, resumed_from: dict[str, Any] | None = None,
+               restarted: bool = False) -> TrackerProcess:
     """The launch's run (its tracker process; ``start`` it). Every ``${oc.env:...}`` value and every password/token/secret-looking key is masked
     in the params, the config artifact, the overrides and the user's tags."""
     secrets = names.secret_paths(OmegaConf.to_container(cfg, resolve=False))
@@ -40,7 +41,8 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
     return TrackerProcess({
         "uri": tracking_uri(cfg), "experiment": cfg.tracking.experiment, "job_dir": str(job_dir), "config": config,
         "overrides": overrides, "tags": tags, "run_id": cfg.tracking.run_id, "run_name": " ".join(overrides) or None,
-        "resuming": bool(cfg.checkpoint.resume), "resumed_from": resumed_from,
+        # A resume or a restart continues a run that may hold some of the steps to come: they are not resent.
+        "resuming": bool(cfg.checkpoint.resume) or restarted, "resumed_from": resumed_from,
     })
 
 

@@ -18,6 +18,8 @@ import logging
 import random
 import re
 import shutil
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,33 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if idist.get_world_size() > 1:
         idist.barrier()
+
+
+def check_shared(root: Path) -> None:
+    """Refuse a checkpoint root that not every rank sees: each rank writes a marker under ``root``, then looks
+    for everyone's. On several nodes a node-local path would leave each node's shards where the others (and
+    a resume) never find them. A collective."""
+    from hydraddp.distributed.compat import ConfigurationError, Problem
+
+    rank, world = idist.get_rank(), idist.get_world_size()
+    folder = Path(root) / ".hydraddp-shared" / idist.broadcast(uuid.uuid4().hex if rank == 0 else "", src=0)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}").write_text(socket.gethostname())
+    _barrier()
+    unseen = idist.all_gather([peer for peer in range(world) if not (folder / f"rank{peer}").exists()])
+    _barrier()
+    shutil.rmtree(folder, ignore_errors=True)
+    blind = {r: peers for r, peers in enumerate(unseen) if peers}
+    if blind:
+        first = min(blind)
+        raise ConfigurationError(Problem(
+            ("checkpoint.dir",),
+            f"checkpoint.dir={root} is not shared by every node: rank {first} cannot see the markers of ranks "
+            f"{blind[first]} ({len(blind)} of {world} ranks miss some), so each node would keep its own part of "
+            "every checkpoint.",
+            "Set checkpoint.dir to a path on storage that every node mounts at the same place (NFS, Lustre, a "
+            "cluster file system), the same on every node.",
+        ))
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],

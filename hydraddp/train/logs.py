@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 
+FILE_ONLY = "hydraddp_file_only"  # logging's ``extra`` key for records kept out of the console
+
+
 def setup_rank_logging(rank: int, job_dir: Path | None, level: int = logging.INFO) -> Path | None:
     """Route this process's logging to stderr as ``[rank R] ...`` and to ``<job_dir>/logs/rank{R}.log``."""
     fmt = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
@@ -15,6 +18,8 @@ def setup_rank_logging(rank: int, job_dir: Path | None, level: int = logging.INF
         root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
+    # A failure's full traceback goes to the rank's file only: the launcher prints one short block for it.
+    console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
     # Every rank logs fully to its file; on the console the others speak only of trouble.
     console.setLevel(level if rank == 0 else logging.WARNING)
     root.addHandler(console)

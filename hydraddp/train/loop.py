@@ -209,6 +209,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     scheduler = instantiate(cfg.optim.scheduler, "optim.scheduler")(optimizer) if cfg.optim.scheduler else None
     scaler_settings = {k: cfg.precision[k] for k in ("init_scale", "growth_interval") if cfg.precision.get(k) is not None}
     scaler = idist.grad_scaler(model, **scaler_settings)
+    ckpt, root = cfg.checkpoint, _checkpoint_root(cfg, job_dir)
+    if idist.get_nnodes() > 1 and root is not None and (ckpt.every_n_steps or ckpt.save_last or ckpt.resume or
+                                                        cfg.trainer.stop_at_step):
+        checkpoint.check_shared(root)  # before anything is loaded or saved: one checkpoint holds every rank's shards
     resumed = _resume(cfg, job_dir, model, optimizer, scheduler, scaler)
     start_step = resumed.step if resumed else 0
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")

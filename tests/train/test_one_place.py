@@ -1,0 +1,108 @@
+"""One launch, one place: every rank of a launch, on every node and across restarts, writes into one job
+directory and one checkpoint root, and resumes from it (real processes on loopback, real torchrun)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from hydraddp.distributed.env import free_port
+from tests.helpers.spawn import assert_no_orphans, child_env, job_dirs, run_process, run_together
+from tests.train.test_checkpoint import export, losses, max_diff
+
+BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false"]
+
+
+def two_nodes(tmp_path: Path, where: str, *overrides: str, per_node: dict[int, list[str]] | None = None):
+    """2 nodes x 2 ranks on loopback, each node in its own working directory."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands = []
+    for node in (0, 1):
+        cwd = tmp_path / where / f"node{node}"
+        cwd.mkdir(parents=True)
+        commands.append(([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={node}",
+                          "launcher.nproc_per_node=2", f"launcher.rdzv_endpoint={endpoint}", *BASE, *overrides,
+                          *(per_node or {}).get(node, [])], cwd))
+    return run_together(commands, timeout=240)
+
+
+def test_two_nodes_write_one_checkpoint_and_resume_from_it(tmp_path):
+    shared = tmp_path / "shared"
+    first = two_nodes(tmp_path, "first", "trainer.max_steps=10", "checkpoint.every_n_steps=5",
+                      f"checkpoint.dir={shared}")
+    assert [n.returncode for n in first] == [0, 0], [n.stderr[-3000:] for n in first]
+    assert sorted(p.name for p in shared.iterdir()) == ["step_00000005", "step_00000010"]
+    step10 = shared / "step_00000010"
+    # Every one of the 4 ranks wrote into it: its DCP shard and its RNG states.
+    assert sorted(p.name for p in step10.glob("rng_rank*.json")) == [f"rng_rank{r}.json" for r in range(4)]
+    assert len(list(step10.glob("*.distcp"))) == 4
+    # The nodes' launchers made their own directories; the ranks all logged into node 0's.
+    logs = [log.name for node in (0, 1) for job in job_dirs(tmp_path / "first" / f"node{node}")
+            for log in (job / "logs").glob("rank*.log")]
+    assert sorted(logs) == [f"rank{r}.log" for r in range(4)]
+
+    resumed = two_nodes(tmp_path, "resumed", "trainer.max_steps=14", "checkpoint.resume=latest",
+                        f"checkpoint.dir={shared}", "checkpoint.save_last=true")
+    assert [n.returncode for n in resumed] == [0, 0], [n.stderr[-3000:] for n in resumed]
+    [job] = job_dirs(tmp_path / "resumed" / "node0")
+    assert min(losses(job)) == 11 and (shared / "step_00000014").is_dir()
+
+
+def test_a_checkpoint_root_that_not_every_node_sees_is_refused_before_training(tmp_path):
+    # Each node points checkpoint.dir at a disk of its own, as a node-local path on a cluster would.
+    nodes = two_nodes(tmp_path, "local", "trainer.max_steps=10", "checkpoint.every_n_steps=5",
+                      per_node={node: [f"checkpoint.dir={tmp_path / f'disk{node}'}"] for node in (0, 1)})
+    for node in nodes:
+        assert node.returncode == 2, node.stderr[-3000:]
+        assert "is not shared by every node" in node.stderr and "Set checkpoint.dir to a path on storage" in node.stderr
+        assert "Traceback" not in node.stderr
+    for node in (0, 1):
+        for job in job_dirs(tmp_path / "local" / f"node{node}"):
+            assert not re.search(r"step \d+ loss", "".join(p.read_text() for p in (job / "logs").glob("*.log")))
+        assert not list((tmp_path / f"disk{node}").glob("step_*"))
+
+
+def test_a_sigkilled_rank_under_torchrun_restarts_from_the_launchs_checkpoint(tmp_path):
+    config = [*BASE[:-1], "trainer.max_steps=120", "checkpoint.every_n_steps=20", "checkpoint.save_last=true",
+              "model.hidden=[512,512]"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    (tmp_path / "full").mkdir()
+    full = run_process([*torchrun, f"--master_port={free_port()}", "-m", "hydraddp", *config,
+                        "tracking.enabled=false"], cwd=tmp_path / "full", timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([*torchrun, "--max-restarts=1", f"--master_port={free_port()}", "-m", "hydraddp",
+                             *config], cwd=killed, env=child_env(token), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (logs := list(killed.glob("outputs/*/*/logs/rank1.log"))) or \
+                not re.search(r"step 3\d loss", logs[0].read_text()):  # past the step-20 checkpoint
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        os.kill(int(re.search(r"rank 1 pid (\d+)", logs[0].read_text())[1]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert_no_orphans(token)
+    [job] = job_dirs(killed)  # the restarted group went on in the first attempt's directory
+    assert "restarted from" in (job / "logs" / "rank0.log").read_text()
+    [full_job] = job_dirs(tmp_path / "full")
+    reference = export(full_job / "checkpoints" / "step_00000120", tmp_path / "full.pt")
+    recovered = export(job / "checkpoints" / "step_00000120", tmp_path / "recovered.pt")
+    assert max_diff(reference, recovered) <= 1e-6
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])  # one run, both attempts
+    assert run.info.status == "FINISHED" and run.data.tags["hydraddp.restarts"] == "1"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, 121))
