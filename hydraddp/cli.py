@@ -138,9 +138,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             _remove_if_untouched(job_dir)
             job_dir, restarted = Path(agreed), True
             outcome["job_dir"] = str(job_dir)
-            run_id_file = job_dir / names.RUN_ID_FILE
-            if run_id_file.exists() and not cfg.tracking.run_id:
-                cfg.tracking.run_id = run_id_file.read_text().strip()
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
     if tracks:

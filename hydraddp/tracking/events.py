@@ -37,14 +37,14 @@ class EventWriter:
         self._file.close()
 
 
-def read_events(path: Path, offset: int = 0, with_ends: bool = False):
-    """Complete events from byte ``offset`` on, and the offset after the last complete line; with
-    ``with_ends``, the offset after each event instead (so progress can be saved event by event)."""
+def read_events(path: Path, offset: int = 0, with_ends: bool = False, until: int | None = None):
+    """Complete events from byte ``offset`` on (up to byte ``until``), and the offset after the last complete
+    line; with ``with_ends``, the offset after each event instead (so progress can be saved event by event)."""
     if not path.exists():
         return [], ([] if with_ends else offset)
     with path.open("rb") as f:
         f.seek(offset)
-        data = f.read()
+        data = f.read() if until is None else f.read(max(until - offset, 0))
     events, ends, position = [], [], offset
     for line in data.splitlines(keepends=True):
         if not line.endswith(b"\n"):

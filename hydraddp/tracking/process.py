@@ -104,6 +104,10 @@ def main() -> int:
     # be flushing the same events file; this one waits for it (the kernel drops the lock when it exits).
     lock = open(Path(settings["job_dir"]) / "tracker.lock", "w")  # noqa: SIM115 - held until this process ends
     fcntl.flock(lock, fcntl.LOCK_EX)
+    run_id_file = Path(settings["job_dir"], names.RUN_ID_FILE)
+    if settings.pop("adopt_run", False) and run_id_file.exists():
+        # A restarted group continues the run of the first attempt, known for sure only now that its tracker is done.
+        settings["run_id"] = run_id_file.read_text().strip()
     run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
     run.start(once_created=_yield_cpu)
     line = sys.stdin.readline()

@@ -91,6 +91,7 @@ class LaunchRun:
         self._appending = run_id is not None and not resuming
         self._unsure = False  # a request failed: did the server take it? Ask before sending again.
         self._read_back = False  # the server's latest steps were read
+        self._until: int | None = None  # the end of this launch's events, once it has ended
         self._created = threading.Event()
         self._stop = threading.Event()  # the launch ended: send what is left, then return
         self._abort = threading.Event()  # finish() gave up waiting: return now
@@ -179,7 +180,7 @@ class LaunchRun:
         self._record(tags)
 
     def _pending_count(self) -> int:
-        events, _ = read_events(self.events_path, self._offset)
+        events, _ = read_events(self.events_path, self._offset, until=self._until)
         return sum(1 for e in events if "metric" in e)
 
     def _send_pending(self) -> bool:
@@ -191,7 +192,7 @@ class LaunchRun:
         """
         from mlflow.entities import Metric, RunTag
 
-        events, ends = read_events(self.events_path, self._offset, with_ends=True)
+        events, ends = read_events(self.events_path, self._offset, with_ends=True, until=self._until)
         if not events:
             return True
         self._activate()
@@ -242,6 +243,9 @@ class LaunchRun:
     # -- the end of the launch -------------------------------------------------------------------
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
         """Flush every event, upload artifacts, set ``status``. False (with a message) if the server never came back."""
+        # What the launch wrote ends here: after a restart the next attempt appends to the same file, and its
+        # own tracker sends that part.
+        self._until = self.events_path.stat().st_size if self.events_path.exists() else 0
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)

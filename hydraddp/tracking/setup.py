@@ -43,6 +43,7 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
         "overrides": overrides, "tags": tags, "run_id": cfg.tracking.run_id, "run_name": " ".join(overrides) or None,
         # A resume or a restart continues a run that may hold some of the steps to come: they are not resent.
         "resuming": bool(cfg.checkpoint.resume) or restarted, "resumed_from": resumed_from,
+        "adopt_run": restarted and not cfg.tracking.run_id,
     })
 
 

@@ -139,7 +139,7 @@ def check_shared(root: Path) -> None:
     from hydraddp.distributed.compat import ConfigurationError, Problem
 
     rank, world = idist.get_rank(), idist.get_world_size()
-    folder = Path(root) / ".hydraddp-shared" / idist.broadcast(uuid.uuid4().hex if rank == 0 else "", src=0)
+    folder = Path(root) / f".hydraddp-shared-{idist.broadcast(uuid.uuid4().hex if rank == 0 else '', src=0)}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"rank{rank}").write_text(socket.gethostname())
     _barrier()
