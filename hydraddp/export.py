@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,11 +20,17 @@ from hydraddp.train.checkpoint import CheckpointError, check_matches, read_meta
 
 
 def export(checkpoint: Path, out: Path) -> Path:
+    if not checkpoint.exists():
+        raise CheckpointError(f"{checkpoint}: no such checkpoint. Give a step_NNNNNNNN directory of a run's "
+                              "checkpoints (e.g. outputs/DATE/TIME/checkpoints/step_00000100).")
     cfg = OmegaConf.create(read_meta(checkpoint)["config"])
     model = instantiate(model_kwargs(cfg.model), "model")
     state = {"model": model.state_dict()}
     check_matches(checkpoint, state)
-    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # only the model's keys are read
+    with warnings.catch_warnings():
+        # One process reading a checkpoint is what no_dist means; DCP still warns that no group exists.
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # only the model's keys are read
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state["model"], out)
     return out

@@ -22,6 +22,7 @@ BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.
 def export(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     done = run_process([sys.executable, "-m", "hydraddp.export", str(checkpoint), str(out)], cwd=out.parent, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Warning" not in done.stderr  # one process reading a checkpoint is nothing to warn about
     return torch.load(out, weights_only=True)  # a plain state_dict: no pickled objects
 
 
@@ -211,3 +212,6 @@ def test_a_corrupt_checkpoint_is_refused_before_anything_starts(saved, tmp_path)
     assert f"{corrupt}: corrupt or incomplete DCP checkpoint" in done.stderr and "Traceback" not in done.stderr
     missing = run_cli(*BASE, "tracking.enabled=false", f"checkpoint.resume={tmp_path / 'nowhere'}", cwd=tmp_path)
     assert missing.returncode == 2 and "not a complete hydraddp checkpoint" in missing.stderr
+    exported = run_process([sys.executable, "-m", "hydraddp.export", str(tmp_path / "nowhere"), str(tmp_path / "m.pt")],
+                           cwd=tmp_path, timeout=60)
+    assert exported.returncode == 2 and f"{tmp_path / 'nowhere'}: no such checkpoint" in exported.stderr
