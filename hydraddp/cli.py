@@ -132,7 +132,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if attached is not None and attached.rank == 0 and attached.world_size > 1:
         from hydraddp.launch import job_dir_from_agent
 
-        agreed = job_dir_from_agent(str(job_dir), decides=True)
+        agreed = job_dir_from_agent(str(job_dir))
         if agreed is not None and Path(agreed) != job_dir:
             # torchrun restarted the group: go on in the first attempt's directory, its run and checkpoints.
             _remove_if_untouched(job_dir)

@@ -48,29 +48,30 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
 JOB_DIR_KEY = "hydraddp/job_dir"
 
 
-def job_dir_from_agent(proposed: str, decides: bool) -> str | None:
+def job_dir_from_agent(proposed: str) -> str | None:
     """The launch's job directory as torch's elastic agent keeps it, or None when no agent started us.
 
-    The deciding process (node 0's, or rank 0 under torchrun) sets it once; the agent's store outlives
-    restarts, so a restarted group, whose processes composed new directories, goes on in the first one
-    and finds its checkpoints there.
+    The first caller sets it; the agent's store outlives restarts, so a restarted group, whose processes
+    composed new directories, gets the first attempt's back, and finds its checkpoints there.
     """
     from hydraddp.distributed.native import agent_store
 
     store = agent_store()
     if store is None:
         return None
-    key = f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
-    return (store.compare_set(key, "", proposed) if decides else store.get(key)).decode()
+    return store.compare_set(f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", proposed).decode()
 
 
 def agreed_job_dir(proposed: str, decides: bool) -> str:
     """One job directory for every rank of the launch, on every node and across restarts: the deciding
-    process's, through the elastic agent's store, else rank 0's broadcast (SLURM, Horovod)."""
-    agreed = job_dir_from_agent(proposed, decides)
-    if agreed is not None:
-        return agreed
-    return idist.broadcast(proposed, src=0) if idist.get_world_size() > 1 else proposed
+    process's (node 0's, rank 0's under torchrun) as the elastic agent keeps it, broadcast to the others.
+    Only the decider talks to the agent's store."""
+    if idist.get_world_size() == 1:
+        return job_dir_from_agent(proposed) or proposed
+    deciders = idist.all_gather(int(decides))
+    src = deciders.index(1) if 1 in deciders else 0
+    agreed = (job_dir_from_agent(proposed) or proposed) if idist.get_rank() == src else ""
+    return idist.broadcast(agreed, src=src)
 
 
 def resolved(cfg: DictConfig) -> dict[str, Any]:
