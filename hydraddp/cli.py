@@ -81,6 +81,22 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list, dict[str, An
     return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
+def _launch_job_dir(job_dir: Path) -> tuple[Path, bool]:
+    """The launch's job directory, and whether this is a restart. Rank 0 under torchrun asks the agent: after
+    ``torchrun --max-restarts`` restarted the group, it goes on in the first attempt's directory, with that
+    attempt's run and checkpoints, and the directory Hydra just made is removed."""
+    attached = detect_launch_env()
+    if attached is None or attached.rank != 0 or attached.world_size == 1:
+        return job_dir, False
+    from hydraddp.launch import job_dir_from_agent
+
+    agreed = job_dir_from_agent(str(job_dir))
+    if agreed is None or Path(agreed) == job_dir:
+        return job_dir, False
+    _remove_if_untouched(job_dir)
+    return Path(agreed), True
+
+
 def _tracks_here(cfg: DictConfig) -> bool:
     """The launch's one MLflow run lives in rank 0's process under torchrun, else in node 0's launcher."""
     launch = detect_launch_env()
@@ -127,17 +143,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               file=sys.stderr, flush=True)
     from hydraddp.launch import launch, redacted, resolved
 
-    restarted = False
-    attached = detect_launch_env()
-    if attached is not None and attached.rank == 0 and attached.world_size > 1:
-        from hydraddp.launch import job_dir_from_agent
-
-        agreed = job_dir_from_agent(str(job_dir))
-        if agreed is not None and Path(agreed) != job_dir:
-            # torchrun restarted the group: go on in the first attempt's directory, its run and checkpoints.
-            _remove_if_untouched(job_dir)
-            job_dir, restarted = Path(agreed), True
-            outcome["job_dir"] = str(job_dir)
+    job_dir, restarted = _launch_job_dir(job_dir)
+    outcome["job_dir"] = str(job_dir)
     plain = resolved(cfg)  # once, here: the workers and the tracker get the same resolved config
     tracker = None
     if tracks:
