@@ -15,7 +15,7 @@ _EXPORTS = {
     "api": ("all_gather", "all_reduce", "available_backends", "backend", "barrier", "broadcast", "current",
             "device", "finalize", "get_local_rank", "get_nnodes", "get_node_rank", "get_nproc_per_node",
             "get_rank", "get_world_size", "initialize"),
-    "auto": ("DataLoader", "auto_dataloader", "auto_model", "auto_optim", "grad_scaler"),
+    "auto": ("DistributedProxySampler", "auto_dataloader", "auto_model", "auto_optim", "grad_scaler"),
     "compat": ("BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "Problem",
                "check_compatibility", "resolve_wrap"),
     "env": ("LaunchEnv", "detect_launch_env", "free_port"),

@@ -153,77 +153,75 @@ def grad_scaler(model: nn.Module, **kwargs: Any):
                             device_type=api.device().type, **kwargs)
 
 
-class ShardedSampler(Sampler):
-    """This rank's share of another sampler's indices (ignite's DistributedProxySampler)."""
+class DistributedProxySampler(DistributedSampler):
+    """ignite's ``DistributedProxySampler``: this rank's share of another sampler's indices.
 
-    def __init__(self, sampler: Sampler, num_replicas: int, rank: int):
-        self.sampler, self.num_replicas, self.rank = sampler, num_replicas, rank
-        self.epoch = 0
+    The wrapped sampler is iterated as many times as the padded total size needs, under
+    ``torch.manual_seed(epoch)`` (so a random sampler draws the same order on every rank), then every
+    ``num_replicas``-th index from ``rank`` is kept. The wrapped sampler must have a constant length.
+    """
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+    def __init__(self, sampler: Sampler, num_replicas: int | None = None, rank: int | None = None) -> None:
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"Argument sampler should be instance of torch Sampler, but given: {type(sampler)}")
+        if isinstance(sampler, DistributedSampler):
+            raise TypeError("Argument sampler must not be a distributed sampler already")
+        if not hasattr(sampler, "__len__"):
+            raise TypeError("Argument sampler should have length")
+        super().__init__(sampler, num_replicas=num_replicas, rank=rank, shuffle=False)  # type: ignore[arg-type]
+        self.sampler = sampler
 
     def __iter__(self) -> Iterator[int]:
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(self.epoch)  # every rank must draw the same order from a random sampler
-        indices = list(self.sampler)
-        torch.random.set_rng_state(generator_state)
-        indices += indices[: len(self) * self.num_replicas - len(indices)]
-        return iter(indices[self.rank :: self.num_replicas])
-
-    def __len__(self) -> int:
-        return -(-len(self.sampler) // self.num_replicas)
-
-
-class DataLoader(TorchDataLoader):
-    """A DataLoader that calls ``sampler.set_epoch`` on each pass, so every epoch shuffles anew."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass use ``epoch`` (e.g. when resuming)."""
-        self._epoch = epoch
-
-    def __iter__(self):
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self._epoch)
-        self._epoch += 1
-        return super().__iter__()
+        torch.manual_seed(self.epoch)  # as ignite: every rank draws the same order from a random sampler
+        indices: list[int] = []
+        while len(indices) < self.total_size:
+            indices += list(self.sampler)
+        indices = indices[: self.total_size][self.rank : self.total_size : self.num_replicas]
+        if len(indices) != self.num_samples:
+            raise RuntimeError(f"{len(indices)} vs {self.num_samples}")
+        return iter(indices)
 
 
-def auto_dataloader(dataset: Dataset, **kwargs: Any) -> DataLoader:
-    """ignite's ``auto_dataloader``: ``batch_size`` and ``num_workers`` are global and split over ranks,
-    a ``DistributedSampler`` shards the data, ``pin_memory`` is on with CUDA. The split must be even.
+def auto_dataloader(dataset: Dataset, **kwargs: Any) -> TorchDataLoader:
+    """ignite's ``auto_dataloader``, with ignite's rules:
 
-    hydraddp adds ``seed``: the shuffling order's seed, the same on every rank (default 0).
+    - ``batch_size`` is divided by the world size when it is at least the world size (floored), else kept;
+    - ``num_workers`` is divided by the processes of this node, rounded up, when at least that many;
+    - no sampler: a ``DistributedSampler`` (``shuffle`` goes to it); a ``DistributedSampler`` is kept as it is
+      (with a warning if its rank or ``num_replicas`` disagree with this process); any other sampler is
+      wrapped by ``DistributedProxySampler``; a ``batch_sampler`` is used as given, with a warning;
+    - ``pin_memory`` defaults to True on CUDA.
+
+    hydraddp adds one keyword: ``seed``, the seed of the ``DistributedSampler`` it creates (default 0).
+    Call ``loader.sampler.set_epoch(epoch)`` before each epoch for a new order, as with ignite.
     """
     rank, world = api.get_rank(), api.get_world_size()
     seed = kwargs.pop("seed", 0)
     if world > 1:
-        if "batch_size" in kwargs:
-            machine.raise_for_problems(combination_here(global_batch_size=kwargs["batch_size"]), ["batch_size"])
+        if "batch_size" in kwargs and kwargs["batch_size"] >= world:
             kwargs["batch_size"] //= world
         nproc = api.get_nproc_per_node()
-        if kwargs.get("num_workers", 0) >= nproc:
-            kwargs["num_workers"] = -(-kwargs["num_workers"] // nproc)
+        if "num_workers" in kwargs and kwargs["num_workers"] >= nproc:
+            kwargs["num_workers"] = (kwargs["num_workers"] + nproc - 1) // nproc
         if "batch_sampler" in kwargs:
-            warnings.warn("auto_dataloader: a batch_sampler is used as given; make sure it shards over ranks", stacklevel=2)
+            warnings.warn("Found batch_sampler in provided kwargs. Please, make sure that it is compatible "
+                          "with distributed configuration")
         elif isinstance(dataset, IterableDataset):
-            log.info("auto_dataloader: iterable dataset, no distributed sampler; it must shard itself")
-        elif kwargs.get("sampler") is not None:
-            kwargs["sampler"] = ShardedSampler(kwargs["sampler"], world, rank)
+            log.info("Found iterable dataset, dataloader will be created without any distributed sampling. "
+                     "Please, make sure that the dataset itself produces different data on different ranks.")
         else:
-            shuffle = kwargs.pop("shuffle", True)
-            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
-    elif kwargs.get("shuffle") and "sampler" not in kwargs and "batch_sampler" not in kwargs \
-            and not isinstance(dataset, IterableDataset):
-        # One process shuffles like one rank of many: an order fixed by (seed, epoch), so a resumed run
-        # can find its place again.
-        del kwargs["shuffle"]
-        kwargs["sampler"] = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-    kwargs.setdefault("pin_memory", api.device().type == "cuda")
-    return DataLoader(dataset, **kwargs)
+            sampler = kwargs.get("sampler")
+            if isinstance(sampler, DistributedSampler):  # sharded already: never sharded again
+                if sampler.rank != rank:
+                    warnings.warn(f"Found distributed sampler with rank={sampler.rank}, but process rank is {rank}")
+                if sampler.num_replicas != world:
+                    warnings.warn(f"Found distributed sampler with num_replicas={sampler.num_replicas}, "
+                                  f"but world size is {world}")
+            elif sampler is None:
+                shuffle = kwargs.pop("shuffle", True)
+                sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+            else:
+                sampler = DistributedProxySampler(sampler, num_replicas=world, rank=rank)
+            kwargs["sampler"] = sampler
+    kwargs["pin_memory"] = kwargs.get("pin_memory", "cuda" in api.device().type)
+    return TorchDataLoader(dataset, **kwargs)

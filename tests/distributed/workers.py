@@ -102,7 +102,6 @@ def error_cases(local_rank: int) -> dict[str, str]:
         "offload": lambda: idist.auto_model(mlp(), wrap="fsdp2", offload="cpu"),
         "fp16": lambda: idist.auto_model(mlp(), wrap="ddp", precision="fp16"),
         "dp_with_process_group": lambda: idist.auto_model(mlp(), wrap="dp"),
-        "uneven_batch": lambda: idist.auto_dataloader(dataset(), batch_size=15),
         "unknown_wrap": lambda: idist.auto_model(mlp(), wrap="zero3"),
         "sync_bn_on_cpu": lambda: idist.auto_model(mlp(), sync_bn=True, wrap="ddp"),
     }
@@ -168,8 +167,8 @@ def collectives(local_rank: int) -> dict:
 def dataloader_shards(local_rank: int) -> dict:
     loader = idist.auto_dataloader(dataset(40), batch_size=8, num_workers=0, shuffle=True)
     epochs = []
-    for _ in range(2):
-        iter(loader)  # each pass moves the sampler to the next epoch
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)  # as with ignite: the user moves the sampler to the next epoch
         epochs.append([int(i) for i in loader.sampler])
     first_batch = next(iter(loader))[0]
     return {"loader_type": type(loader).__name__, "sampler": type(loader.sampler).__name__,
@@ -270,3 +269,26 @@ def copies_and_pickles(local_rank: int, cases: list[tuple[str, str]]) -> dict:
                 out[(wrap, precision, target, op_name)] = {"torch_permits": torch_permits, "ours": outcome,
                                                            "output_dtype": str(expected.dtype)}
     return out
+
+
+def given_samplers(local_rank: int) -> dict:
+    """auto_dataloader with the samplers a user may pass: ignite's rules for each."""
+    import warnings
+
+    from torch.utils.data import DistributedSampler, WeightedRandomSampler
+
+    rank, world = idist.get_rank(), idist.get_world_size()
+    data = dataset(10)
+    own = idist.auto_dataloader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=world, rank=rank,
+                                                                               shuffle=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        idist.auto_dataloader(data, sampler=DistributedSampler(data, num_replicas=world, rank=(rank + 1) % world))
+        idist.auto_dataloader(data, sampler=DistributedSampler(data, num_replicas=world + 1, rank=rank))
+    weighted = idist.auto_dataloader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 10, 10))
+    uneven = idist.auto_dataloader(data, batch_size=5)
+    tiny = idist.auto_dataloader(data, batch_size=1)
+    return {"own_indices": list(own.sampler),
+            "own_sampler_kept": type(own.sampler).__name__, "warnings": [str(w.message) for w in caught],
+            "weighted_sampler": type(weighted.sampler).__name__, "weighted_indices": list(weighted.sampler),
+            "uneven_batch": uneven.batch_size, "tiny_batch": tiny.batch_size}
