@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,18 @@ def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: d
         proc.kill()
     assert_no_orphans(token)
     return Launched(proc.returncode, out, err, token)
+
+
+def sigkill_rank_when_logged(proc: subprocess.Popen, root: Path, pattern: str, rank: int = 1,
+                             timeout: float = 120) -> None:
+    """Wait until ``rank``'s log under ``root/outputs`` matches ``pattern`` while ``proc`` runs, then SIGKILL
+    that rank (its pid is in its log): a worker dying mid-run."""
+    deadline = time.monotonic() + timeout
+    while not (logs := list(root.glob(f"outputs/*/*/logs/rank{rank}.log"))) or \
+            not re.search(pattern, logs[0].read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    os.kill(int(re.search(rf"rank {rank} pid (\d+)", logs[0].read_text())[1]), signal.SIGKILL)
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> Launched:

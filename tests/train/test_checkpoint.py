@@ -2,19 +2,17 @@
 uninterrupted one does, checkpoints move between wrap modes and world sizes, a SIGKILLed worker is restarted
 by torch's agent and loses nothing, and nothing half-written or foreign is ever loaded."""
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.spawn import assert_no_orphans, child_env, job_dirs, run_cli, run_process
+from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, run_cli, run_process,
+                                 sigkill_rank_when_logged)
 
 BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=5"]
 
@@ -136,13 +134,7 @@ def test_a_sigkilled_worker_is_restarted_and_the_job_finishes_as_if_nothing_happ
                             env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (logs := list(killed.glob("outputs/*/*/logs/rank1.log"))) or \
-                not re.search(r"step 3\d loss", logs[0].read_text()):  # past the step-20 checkpoint
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        pid = int(re.search(r"rank 1 pid (\d+)", logs[0].read_text())[1])
-        os.kill(pid, signal.SIGKILL)  # a worker dies mid-run
+        sigkill_rank_when_logged(proc, killed, r"step 3\d loss")  # past the step-20 checkpoint
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()

@@ -1,17 +1,15 @@
 """One launch, one place: every rank of a launch, on every node and across restarts, writes into one job
 directory and one checkpoint root, and resumes from it (real processes on loopback, real torchrun)."""
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import assert_no_orphans, child_env, job_dirs, run_process, run_together
+from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, run_process, run_together,
+                                 sigkill_rank_when_logged)
 from tests.train.test_checkpoint import export, losses, max_diff
 
 BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false"]
@@ -82,12 +80,7 @@ def test_a_sigkilled_rank_under_torchrun_restarts_from_the_launchs_checkpoint(tm
                              *config], cwd=killed, env=child_env(token), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (logs := list(killed.glob("outputs/*/*/logs/rank1.log"))) or \
-                not re.search(r"step 3\d loss", logs[0].read_text()):  # past the step-20 checkpoint
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        os.kill(int(re.search(r"rank 1 pid (\d+)", logs[0].read_text())[1]), signal.SIGKILL)
+        sigkill_rank_when_logged(proc, killed, r"step 3\d loss", timeout=180)  # past the step-20 checkpoint
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
