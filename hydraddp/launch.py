@@ -54,7 +54,7 @@ def job_dir_from_agent(proposed: str) -> str | None:
     The first caller sets it; the agent's store outlives restarts, so a restarted group, whose processes
     composed new directories, gets the first attempt's back, and finds its checkpoints there.
     """
-    from hydraddp.distributed.native import agent_store
+    from hydraddp.distributed.comp_models.native import agent_store
 
     store = agent_store()
     if store is None:
@@ -83,8 +83,10 @@ def resolved(cfg: DictConfig) -> dict[str, Any]:
 
 def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     backend, launcher = plain["backend"]["name"], plain["launcher"]
+    if backend == "none":
+        return idist.Parallel()  # one process, no group (ignite refuses sizes without a backend)
     return idist.Parallel(
-        backend=None if backend == "none" else backend,
+        backend=backend,
         nproc_per_node=launcher["nproc_per_node"],
         nnodes=launcher["nnodes"],
         node_rank=launcher["node_rank"],

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import api, machine, wrappers
+from hydraddp.distributed import machine, utils, wrappers
 from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, resolve_wrap
-from hydraddp.distributed.horovod import HOROVOD
+from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
 from hydraddp.distributed.report import WrapRecord
 
@@ -32,9 +32,9 @@ def _offload_from(kwargs: dict[str, Any]) -> str:
 
 def combination_here(**fields: Any) -> Combination:
     """A ``Combination`` for this process: its context's backend and world size, this machine's devices."""
-    ctx = api.current()
+    ctx = utils.current()
     fields.setdefault("backend", ctx.backend())
-    fields.setdefault("world_size", ctx.world_size())
+    fields.setdefault("world_size", ctx.get_world_size())
     # In a worker, which uses CUDA anyway, torch's own count (the launcher counts without touching the driver).
     fields.setdefault("cuda_device_count", torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return machine.combination(has_horovod=ctx.backend() == HOROVOD, **fields)
@@ -65,11 +65,11 @@ def auto_model(
         wrap = "fsdp2"
     offload = _offload_from(kwargs)
     combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn,
-                             nproc_per_node=api.get_nproc_per_node())
+                             nproc_per_node=utils.get_nproc_per_node())
     machine.raise_for_problems(combo)
     realized = resolve_wrap(combo)
     spec = precision_spec(precision)
-    device = api.device()
+    device = utils.device()
 
     # FSDP moves each unit to the device as it shards it (and keeps it on the CPU under offload), so only
     # the other wraps need the whole model moved first.
@@ -96,7 +96,7 @@ def auto_model(
         case "fsdp":
             model = wrappers.wrap_fsdp1(model, device, spec, offload == "cpu", **kwargs)
         case "fsdp2":
-            model = wrappers.wrap_fsdp2(model, device, api.get_world_size(), spec, offload == "cpu", **kwargs)
+            model = wrappers.wrap_fsdp2(model, device, utils.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
     model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel)
@@ -122,7 +122,7 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
             )
         )
     model = kwargs.pop("model", None)
-    if api.backend() != HOROVOD:
+    if utils.backend() != HOROVOD:
         return optimizer
     import horovod.torch as hvd
 
@@ -150,7 +150,7 @@ def grad_scaler(model: nn.Module, **kwargs: Any):
     if record is None:
         return None
     return make_grad_scaler(record.precision, sharded=record.wrap in ("fsdp", "fsdp2"),
-                            device_type=api.device().type, **kwargs)
+                            device_type=utils.device().type, **kwargs)
 
 
 class DistributedProxySampler(DistributedSampler):
@@ -195,12 +195,12 @@ def auto_dataloader(dataset: Dataset, **kwargs: Any) -> TorchDataLoader:
     hydraddp adds one keyword: ``seed``, the seed of the ``DistributedSampler`` it creates (default 0).
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch for a new order, as with ignite.
     """
-    rank, world = api.get_rank(), api.get_world_size()
+    rank, world = utils.get_rank(), utils.get_world_size()
     seed = kwargs.pop("seed", 0)
     if world > 1:
         if "batch_size" in kwargs and kwargs["batch_size"] >= world:
             kwargs["batch_size"] //= world
-        nproc = api.get_nproc_per_node()
+        nproc = utils.get_nproc_per_node()
         if "num_workers" in kwargs and kwargs["num_workers"] >= nproc:
             kwargs["num_workers"] = (kwargs["num_workers"] + nproc - 1) // nproc
         if "batch_sampler" in kwargs:
@@ -223,5 +223,5 @@ def auto_dataloader(dataset: Dataset, **kwargs: Any) -> TorchDataLoader:
             else:
                 sampler = DistributedProxySampler(sampler, num_replicas=world, rank=rank)
             kwargs["sampler"] = sampler
-    kwargs["pin_memory"] = kwargs.get("pin_memory", "cuda" in api.device().type)
+    kwargs["pin_memory"] = kwargs.get("pin_memory", "cuda" in utils.device().type)
     return TorchDataLoader(dataset, **kwargs)

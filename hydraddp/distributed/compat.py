@@ -151,8 +151,8 @@ def check_compatibility(combo: Combination) -> list[Problem]:
             "Use precision=fp16 or fp32 on this GPU.")
 
     if combo.sync_bn and wrap in ("ddp", "fsdp", "fsdp2") and combo.world_size > 1 and not gpu:
-        add(("sync_bn",), "sync_bn=true needs GPUs: SyncBatchNorm only runs on CUDA/XPU modules "
-            "(DDP refuses it on CPU), and this machine has none.",
+        add(("sync_bn",), "sync_bn=true needs GPUs: SyncBatchNorm layers only work with GPU modules "
+            "(torch's words: DDP refuses them on CPU), and this machine has none.",
             f"Set {n('sync_bn')}=false on CPU (BatchNorm statistics then stay per rank), or run on GPUs.")
 
     if combo.global_batch_size is not None and combo.world_size > 1 and combo.global_batch_size % combo.world_size:

@@ -1,175 +1,48 @@
-"""``Parallel``: run a function on every rank, spawning workers through torch's elastic agent
-(the engine behind torchrun) or attaching to a launcher that already started them."""
+"""``Parallel``: ignite's launcher. Run a function on every rank, spawning workers through torch's elastic agent (the
+engine behind torchrun) or attaching to a launcher that already started them."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import shutil
-import signal
-import sys
-import tempfile
-import time
-import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from hydraddp.distributed import api, machine
-from hydraddp.distributed.env import detect_launch_env, free_port
-from hydraddp.distributed.horovod import HOROVOD
+from hydraddp.distributed import machine, utils
+from hydraddp.distributed.comp_models.horovod import HOROVOD
+from hydraddp.distributed.comp_models.native import NATIVE_BACKENDS, refuse_tcp_init_method
+from hydraddp.distributed.comp_models.xla import NOT_SUPPORTED as XLA_NOT_SUPPORTED
+from hydraddp.distributed.comp_models.xla import XLA_TPU
+from hydraddp.distributed.elastic import WorkerFailedError, worker_start_method  # noqa: F401 (re-exported)
+from hydraddp.distributed.env import detect_launch_env
 
 log = logging.getLogger(__name__)
 
-
-class WorkerFailedError(RuntimeError):
-    """A worker raised or died. ``rank`` is the first failing global rank; ``error`` its exception line."""
-
-    def __init__(self, rank: int, error: str, exitcode: int | None = None, traceback: str = ""):
-        self.rank, self.error, self.exitcode, self.traceback = rank, error, exitcode, traceback
-        super().__init__(f"rank {rank} failed: {error}")
-
-
-@dataclass
-class _Entry:
-    """What each spawned worker runs. A dataclass so spawn can pickle it."""
-
-    backend: str
-    fn: Callable[..., Any]
-    args: tuple
-    kwargs: dict[str, Any]
-    init_kwargs: dict[str, Any]
-    failure_dir: str | None = None
-    forked: bool = False
-
-    def __call__(self) -> Any:
-        if self.forked:
-            # A forked worker inherits the agent's signal handlers; give it a fresh process's instead.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-                signal.signal(sig, signal.SIG_DFL)
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit():
-            torch.set_num_threads(int(threads))  # the env var alone can arrive after torch set its pool up
-        try:
-            api.initialize(self.backend, **self.init_kwargs)
-            result = self.fn(api.get_local_rank(), *self.args, **self.kwargs)
-            api.barrier()  # nobody tears the group down while a peer still talks to it
-            return result
-        except BaseException as exc:
-            self._record_failure(exc)
-            raise
-        finally:
-            api.finalize()
-
-    def _record_failure(self, exc: BaseException) -> None:
-        # torch reports only the rank whose exit it noticed first, often a peer that failed *because* the
-        # real culprit died. Each rank notes when it failed, so the parent can name the first one.
-        if self.failure_dir is None:
-            return
-        record = {
-            "rank": int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "-1"))),
-            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "time": time.time(),
-            "error": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(),
-        }
-        Path(self.failure_dir, f"rank{record['rank']}.json").write_text(json.dumps(record))
-
-
-def worker_start_method(backend: str | None) -> str:
-    """``fork`` where it is safe for a launcher process that has imported torch but run no tensor op, else
-    ``spawn``.
-
-    A forked worker starts with torch already imported: about a second sooner than a spawned one, which
-    imports it again. Safe for gloo on Linux on a machine without GPUs: a forked child cannot use CUDA once
-    its parent initialized it, and a gloo worker may still use a GPU for its tensors, so any visible GPU
-    means spawn. A process that ran tensor ops may hold OpenMP threads a child cannot use, so ``Parallel``
-    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this.
-    """
-    if backend == "gloo" and sys.platform == "linux" and machine.cuda_device_count() == 0 \
-            and not torch.cuda.is_initialized():
-        return "fork"
-    return "spawn"
-
-
-def _run_entry(entry: _Entry) -> Any:
-    """The spawned process's entrypoint (elastic_launch wants a named function)."""
-    return entry()
-
-
-def _first_recorded_failure(failure_dir: str) -> WorkerFailedError | None:
-    records = [json.loads(p.read_text()) for p in Path(failure_dir).glob("rank*.json")]
-    if not records:
-        return None
-    first = min(records, key=lambda r: (-r["attempt"], r["time"]))
-    return WorkerFailedError(first["rank"], first["error"], 1, first["traceback"])
-
-
-def _first_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else text
-
-
-def _failure_from(exc: Exception) -> WorkerFailedError:
-    """torch's ChildFailedError -> one error naming the first failing rank and its exception."""
-    rank, failure = exc.get_first_failure()
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    details = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
-    traceback = details.get("extraInfo", {}).get("py_callstack", "") if isinstance(details, dict) else ""
-    if failure.exitcode < 0 and not traceback:
-        message = f"killed by signal {signal.Signals(-failure.exitcode).name}"
-    return WorkerFailedError(rank, _first_line(traceback) if traceback else message, failure.exitcode, traceback)
-
-
-@contextlib.contextmanager
-def _worker_env(updates: dict[str, str]) -> Iterator[None]:
-    """Spawned workers copy this process's environment when they start; set ours for that moment only."""
-    saved = {k: os.environ.get(k) for k in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _quiet_elastic_errors() -> Iterator[None]:
-    """torch's agent logs every failed worker's traceback at ERROR; ``WorkerFailedError`` carries it already,
-    so a failure is reported once, by whoever catches that error."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+# Options of the workers' launch (``elastic.launch``, ``horovod.run``); every other keyword goes to ``initialize``.
+SPAWN_OPTIONS = frozenset({"max_restarts", "rdzv_endpoint", "rdzv_timeout", "run_id", "log_dir", "tee",
+                           "monitor_interval", "start_method", "join", "daemon", "hosts"})
 
 
 class Parallel:
-    """Run ``fn(local_rank, *args)`` on every rank.
+    """Run ``fn(local_rank, *args, **kwargs)`` on every rank (ignite's ``idist.Parallel``).
 
     - ``backend=None``: one process, no process group.
     - under torchrun / SLURM / mpirun / horovodrun: attach to this process's rank, call ``fn`` once.
     - ``nproc_per_node=N``: spawn N workers through ``torch.distributed.launcher.api.elastic_launch``
-      (c10d rendezvous, so ``nnodes>1`` with ``rdzv_endpoint`` or ``master_addr``/``master_port`` spans nodes;
-      ``max_restarts`` restarts the group; ``log_dir`` gets per-rank logs; ``start_method="fork"`` starts
-      workers sooner where ``worker_start_method`` says it is safe).
+      (or ``horovod.run``). ``nnodes>1`` needs ``node_rank`` and ``master_addr``/``master_port`` (or
+      ``rdzv_endpoint='HOST:PORT'``), the same on every node.
 
-    ``run`` returns ``{global_rank: fn's return value}`` for the ranks of this node.
+    Keywords beyond ignite's: ``max_restarts`` (restart the group), ``rdzv_endpoint``, ``rdzv_timeout``,
+    ``run_id``, ``log_dir`` (per-rank logs), ``tee``, ``monitor_interval`` and ``start_method="fork"`` (starts
+    workers sooner where ``worker_start_method`` says it is safe). Any other keyword goes to each rank's
+    ``initialize`` (``timeout``, ...).
+
+    ``run`` returns ``{global_rank: fn's return value}`` for the ranks of this process's node (ignite: None).
+    Use it as a context manager (ignite's way: the group lives for the ``with`` block) or call ``run`` alone.
 
     >>> def train(local_rank, lr):
     ...     return idist.get_rank()
-    >>> idist.Parallel(backend="gloo", nproc_per_node=2).run(train, 0.1)  # doctest: +SKIP
+    >>> with idist.Parallel(backend="gloo", nproc_per_node=2) as parallel:  # doctest: +SKIP
+    ...     parallel.run(train, 0.1)
     {0: 0, 1: 1}
     """
 
@@ -181,145 +54,126 @@ class Parallel:
         node_rank: int | None = None,
         master_addr: str | None = None,
         master_port: int | None = None,
-        *,
-        max_restarts: int = 0,
-        rdzv_endpoint: str | None = None,
-        rdzv_timeout: int = 900,
-        run_id: str = "hydraddp",
-        log_dir: str | os.PathLike | None = None,
-        tee: bool = True,
-        monitor_interval: float = 0.1,
-        start_method: str = "spawn",
-        **init_kwargs: Any,
+        init_method: str | None = None,
+        **spawn_kwargs: Any,
     ):
-        self.backend = None if backend in (None, "none") else backend
-        self.nproc_per_node = nproc_per_node
-        self.nnodes = nnodes or 1
-        self.node_rank = node_rank or 0
-        self.master_addr = master_addr
-        self.master_port = master_port
-        self.max_restarts = max_restarts
-        self.rdzv_endpoint = rdzv_endpoint
-        self.rdzv_timeout = rdzv_timeout
-        self.run_id = run_id
-        self.log_dir = log_dir
-        self.tee = tee
-        self.monitor_interval = monitor_interval
-        self.start_method = start_method
-        self.init_kwargs = init_kwargs
-        if self.backend is not None:
-            # Refuse a backend this machine cannot run here, before any worker starts.
-            world = (nproc_per_node or 1) * self.nnodes
-            machine.raise_for_problems(machine.combination(backend=self.backend, world_size=world), ["backend"])
-        if self.nnodes > 1 and not (rdzv_endpoint or (master_addr and master_port)):
+        backend = None if backend == "none" else backend
+        if backend is None:
+            given = {"nproc_per_node": nproc_per_node, "nnodes": nnodes, "node_rank": node_rank,
+                     "master_addr": master_addr, "master_port": master_port}
+            for name, value in given.items():
+                if value is not None:
+                    raise ValueError(f"If backend is None, argument '{name}' should be also None, but given {value}")
+        elif backend == XLA_TPU:
+            raise ValueError(XLA_NOT_SUPPORTED)
+        else:
+            if backend in (*NATIVE_BACKENDS, HOROVOD):
+                # Refuse a backend this machine cannot run, with the fix, before any worker starts.
+                world = (nproc_per_node or 1) * (nnodes or 1)
+                machine.raise_for_problems(machine.combination(backend=backend, world_size=world), ["backend"])
+            if backend not in utils.available_backends():
+                raise ValueError(f"Unknown backend '{backend}'. Available backends: {utils.available_backends()}")
+        refuse_tcp_init_method(init_method)
+        self.backend = backend
+        self.init_method = init_method
+        self.init_kwargs = {k: v for k, v in spawn_kwargs.items() if k not in SPAWN_OPTIONS}
+        self._spawn_params: dict[str, Any] | None = None
+        if backend is not None and nproc_per_node is not None:
+            self._spawn_params = self._setup_spawn_params(nproc_per_node, nnodes, node_rank, master_addr, master_port,
+                                                          init_method, **spawn_kwargs)
+        self._logger: logging.Logger | None = None
+        self._owns_context = False
+
+    @staticmethod
+    def _setup_spawn_params(nproc_per_node: int, nnodes: int | None = None, node_rank: int | None = None,
+                            master_addr: str | None = None, master_port: int | None = None,
+                            init_method: str | None = None, **spawn_kwargs: Any) -> dict[str, Any]:
+        if nproc_per_node < 1:
+            raise ValueError(f"Argument nproc_per_node should positive, but given {nproc_per_node}")
+        nnodes = 1 if nnodes is None else nnodes
+        if nnodes < 1:
+            raise ValueError(f"Argument nnodes should positive, but given {nnodes}")
+        if node_rank is None:
+            if nnodes > 1:
+                raise ValueError("If number of nodes larger than one, arguments node_rank should be given")
+            node_rank = 0
+        if node_rank >= nnodes or node_rank < 0:
+            raise ValueError(f"Argument node_rank should be between 0 and {nnodes - 1}, but given {node_rank}")
+        if nnodes > 1 and (master_addr is None or master_port is None) and init_method is None \
+                and not spawn_kwargs.get("rdzv_endpoint"):
             raise ValueError(
-                f"nnodes={self.nnodes} needs a rendezvous address every node can reach: "
-                "pass rdzv_endpoint='HOST:PORT' (or master_addr and master_port), the same on every node"
+                "If number of nodes larger than one, arguments master_addr and master_port or init_method "
+                f"should be specified, but given master_addr={master_addr}, master_port={master_port} and "
+                f"init_method={init_method}."
             )
-
-    def __enter__(self) -> Parallel:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+        params = {"nproc_per_node": nproc_per_node, "nnodes": nnodes, "node_rank": node_rank,
+                  "master_addr": master_addr, "master_port": master_port, "init_method": init_method,
+                  **spawn_kwargs}
+        return {k: v for k, v in params.items() if v is not None}
 
     @property
     def spawns(self) -> bool:
-        """True when ``run`` starts worker processes (rather than running here)."""
-        return self.backend is not None and self.nproc_per_node is not None and detect_launch_env() is None
+        """True when ``run`` starts worker processes; under an outside launcher it attaches instead."""
+        return self._spawn_params is not None and detect_launch_env() is None
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
-        if self.backend is None:
-            return {0: fn(0, *args, **kwargs)}
-        if not self.spawns:
-            return self._run_attached(fn, args, kwargs)
-        if self.backend == HOROVOD:
-            return self._run_horovod(fn, args, kwargs)
-        return self._run_elastic(fn, args, kwargs)
+    def _initialize(self) -> None:
+        # Attach to a group that exists already (a user's, torchrun's script); else start one.
+        if utils.backend() is None:
+            utils.initialize(self.backend, init_method=self.init_method, **self.init_kwargs)
+            self._owns_context = True
 
-    def _run_attached(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[int, Any]:
+    def __enter__(self) -> Parallel:
+        if self.backend is not None and not self.spawns:
+            self._initialize()
+        self._logger = utils._setup_logger(f"{__name__}.{type(self).__name__}")
+        if self.backend is not None:
+            if not self.spawns:
+                self._logger.info(f"Initialized processing group with backend: '{self.backend}'")
+            else:
+                self._logger.info(f"Initialized distributed launcher with backend: '{self.backend}'")
+                params = "\n\t".join(f"{k}: {v}" for k, v in self._spawn_params.items())
+                self._logger.info(f"- Parameters to spawn processes: \n\t{params}")
+        return self
+
+    def __exit__(self, *args: Any, **kwargs: Any) -> None:
+        if self._owns_context:
+            if self._logger is not None:
+                self._logger.info(f"Finalized processing group with backend: '{self.backend}'")
+            self._finalize()
+
+    def _finalize(self) -> None:
+        self._owns_context = False
+        utils.finalize()
+
+    def _info(self, message: str) -> None:
+        if self._logger is not None:  # only inside ``with``, as ignite logs
+            self._logger.info(message)
+
+    def run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
+        if self.spawns:
+            self._info(f"Spawn function '{func}' in {self._spawn_params['nproc_per_node']} processes")
+            results = utils.spawn(self.backend, func, args=args, kwargs_dict=kwargs, **self._spawn_params)
+        else:
+            results = self._run_here(func, args, kwargs)
+        self._info("End of run")
+        return results
+
+    def _run_here(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[int, Any]:
         launch = detect_launch_env()
-        if launch is not None and self.nproc_per_node not in (None, launch.local_world_size):
+        if launch is not None and self._spawn_params is not None \
+                and self._spawn_params["nproc_per_node"] != launch.local_world_size:
             log.warning("Started by %s with %d local ranks; nproc_per_node=%s is ignored",
-                        launch.source, launch.local_world_size, self.nproc_per_node)
-        owns = api.current().backend() is None
-        if owns:
-            api.initialize(self.backend, **self.init_kwargs)
+                        launch.source, launch.local_world_size, self._spawn_params["nproc_per_node"])
+        started_here = self.backend is not None and not self._owns_context
+        if started_here:
+            self._initialize()
+            started_here = self._owns_context
         try:
-            result = {api.get_rank(): fn(api.get_local_rank(), *args, **kwargs)}
-            if owns:
-                api.barrier()  # as in spawned workers: no teardown while a peer still talks
+            self._info(f"- Run '{func}' in {utils.get_world_size()} processes")
+            result = {utils.get_rank(): func(utils.get_local_rank(), *args, **kwargs)}
+            if started_here:
+                utils.barrier()  # as in spawned workers: no teardown while a peer still talks
             return result
         finally:
-            if owns:
-                api.finalize()
-
-    def _endpoint(self) -> str:
-        if self.rdzv_endpoint:
-            return self.rdzv_endpoint
-        return f"{self.master_addr or '127.0.0.1'}:{self.master_port or free_port()}"
-
-    def _run_elastic(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[int, Any]:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        rdzv_configs: dict[str, Any] = {"timeout": self.rdzv_timeout}
-        if self.nnodes > 1:
-            # Say who hosts the store: on loopback every "node" matches the endpoint's address.
-            rdzv_configs["is_host"] = self.node_rank == 0
-        else:
-            # One node: torchrun's default static rendezvous. c10d's dynamic one polls, which left the
-            # cores idle for about 0.3 s before the workers were spawned.
-            rdzv_configs["rank"] = 0
-        logs = DefaultLogsSpecs(
-            log_dir=str(self.log_dir) if self.log_dir else None,
-            redirects=Std.ALL if self.log_dir else Std.NONE,
-            tee=Std.ALL if (self.log_dir and self.tee) else Std.NONE,
-        )
-        config = LaunchConfig(
-            min_nodes=self.nnodes,
-            max_nodes=self.nnodes,
-            nproc_per_node=self.nproc_per_node,
-            run_id=self.run_id,
-            rdzv_backend="c10d" if self.nnodes > 1 else "static",
-            rdzv_endpoint=self._endpoint(),
-            rdzv_configs=rdzv_configs,
-            max_restarts=self.max_restarts,
-            monitor_interval=self.monitor_interval,
-            start_method=self.start_method,
-            logs_specs=logs,
-        )
-        env = {}
-        if "OMP_NUM_THREADS" not in os.environ and self.nproc_per_node > 1:
-            env["OMP_NUM_THREADS"] = "1"  # torchrun's rule: N ranks must not fight over the same cores
-        failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
-        entry = _Entry(self.backend, fn, args, kwargs, self.init_kwargs, failure_dir,
-                       forked=config.start_method == "fork")
-        try:
-            with _worker_env(env), _quiet_elastic_errors():
-                return elastic_launch(config, _run_entry)(entry)
-        except ChildFailedError as exc:
-            raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None
-        except SignalException as exc:
-            # The agent already stopped every worker; report it as the interrupt it was.
-            raise KeyboardInterrupt(f"stopped by {exc.sigval.name}") from None
-        finally:
-            shutil.rmtree(failure_dir, ignore_errors=True)
-
-    def _run_horovod(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[int, Any]:
-        """Spawn through Horovod's own runner (gloo controller), as horovodrun would."""
-        import horovod
-
-        env = {"OMP_NUM_THREADS": "1"} if "OMP_NUM_THREADS" not in os.environ and self.nproc_per_node > 1 else {}
-        failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
-        entry = _Entry(HOROVOD, fn, args, kwargs, self.init_kwargs, failure_dir)
-        try:
-            with _worker_env(env):
-                results = horovod.run(entry, np=self.nproc_per_node, use_gloo=True)
-        except RuntimeError as exc:
-            raise (_first_recorded_failure(failure_dir) or WorkerFailedError(-1, str(exc))) from None
-        finally:
-            shutil.rmtree(failure_dir, ignore_errors=True)
-        return dict(enumerate(results))
+            if started_here:
+                self._finalize()

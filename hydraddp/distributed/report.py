@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydraddp.distributed import api
+from hydraddp.distributed import utils
 from hydraddp.distributed.precision import PrecisionSpec, precision_spec
 
 ROOT = "<root>"
@@ -60,7 +60,7 @@ class WrapReport:
 
     def gather(self) -> list[WrapReport]:
         """Every rank's report, in rank order. A collective: call it on all ranks."""
-        return [WrapReport.from_dict(d) for d in api.all_gather(self.to_dict())]
+        return [WrapReport.from_dict(d) for d in utils.all_gather(self.to_dict())]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,9 +129,9 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
     return WrapReport(
         wrapper=wrapper,
-        backend=api.backend(),
-        world_size=api.get_world_size(),
-        rank=api.get_rank(),
+        backend=utils.backend(),
+        world_size=utils.get_world_size(),
+        rank=utils.get_rank(),
         mesh_shape=mesh_shape,
         units=units,
         precision=spec.name,

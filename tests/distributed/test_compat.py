@@ -81,7 +81,7 @@ def test_uneven_batch_split_shows_the_division_and_a_fix():
 
 def test_sync_bn_needs_gpus_and_never_works_with_dp():
     p = only(backend="gloo", wrap="ddp", sync_bn=True, world_size=2, names={"sync_bn": "model.sync_bn"})
-    assert "SyncBatchNorm only runs on CUDA/XPU" in p.message and "model.sync_bn=false" in p.fix
+    assert "SyncBatchNorm layers only work with GPU modules" in p.message and "model.sync_bn=false" in p.fix
     assert problems(backend="nccl", wrap="fsdp2", sync_bn=True, world_size=2, cuda_device_count=2) == []
     found = problems(backend="none", wrap="dp", sync_bn=True, cuda_device_count=2)
     assert [p.message for p in found] == [

@@ -41,5 +41,7 @@ def test_nccl_on_a_cpu_machine_is_refused_before_any_worker_starts():
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match="backend='tpu' is not a distributed backend"):
+    with pytest.raises(ValueError, match=r"Backend should be one of '\('gloo', .*'\)', but given 'tpu'"):
         initialize("tpu")
+    with pytest.raises(ValueError, match=r"Unknown backend 'tpu'. Available backends: \('gloo'"):
+        Parallel(backend="tpu")

@@ -66,7 +66,7 @@ def test_initialize_without_a_launcher_is_a_world_of_one():
         assert idist.all_reduce(3) == 3
     finally:
         idist.finalize()
-    assert idist.backend() is None and idist.current().name == "serial"
+    assert idist.backend() is None and idist.model_name() == "serial"
 
 
 ATTACH_SCRIPT = textwrap.dedent("""

@@ -292,3 +292,32 @@ def given_samplers(local_rank: int) -> dict:
             "own_sampler_kept": type(own.sampler).__name__, "warnings": [str(w.message) for w in caught],
             "weighted_sampler": type(weighted.sampler).__name__, "weighted_indices": list(weighted.sampler),
             "uneven_batch": uneven.batch_size, "tiny_batch": tiny.batch_size}
+
+
+def groups_and_broadcast(local_rank):
+    """ignite's group= and broadcast rules on a real 2-rank gloo group (tests/distributed/test_ignite_api.py)."""
+    rank = idist.get_rank()
+
+    def error_of(call):
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return None
+
+    # A group is made by every rank (torch's rule); only its members then use it.
+    pair, only_rank1 = idist.new_group([0, 1]), idist.new_group([1])
+    result = {
+        "group_sum": idist.all_reduce(torch.tensor([rank]), group=only_rank1).tolist() if rank == 1 else None,
+        "list_group_sum": idist.all_reduce(torch.tensor([rank + 1]), group=[0, 1]).tolist(),
+        "group_gather": idist.all_gather(torch.tensor(rank), group=pair).tolist(),
+        "objects_in_group": idist.all_gather({"r": rank}, group=[0, 1]),
+        # rank 0 is outside the group: it gets its own tensor back, as in ignite
+        "outside_gather": idist.all_gather(torch.tensor([rank]), group=only_rank1).tolist(),
+    }
+    result["broadcast_none"] = error_of(lambda: idist.broadcast(None, src=0))
+    result["broadcast_number"] = idist.broadcast(5 if rank == 0 else None, src=0, safe_mode=True)
+    result["broadcast_list"] = error_of(lambda: idist.broadcast([0, 1], src=0))
+    result["bad_group"] = (error_of(lambda: idist.all_reduce(torch.tensor([rank]), group="abc")) or "")[:52]
+    idist.barrier()
+    return result

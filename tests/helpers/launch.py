@@ -12,7 +12,10 @@ def main(payload_path: str, result_path: str) -> None:
     payload = torch.load(payload_path, weights_only=False)
     module, name = payload["target"].split(":")
     fn = getattr(importlib.import_module(module), name)
-    parallel = Parallel(backend=payload["backend"], nproc_per_node=payload["nproc"], **payload["kwargs"])
+    if payload["backend"] in (None, "none"):
+        parallel = Parallel()  # one process: ignite's Parallel takes no sizes without a backend
+    else:
+        parallel = Parallel(backend=payload["backend"], nproc_per_node=payload["nproc"], **payload["kwargs"])
     try:
         outcome = {"results": parallel.run(fn, *payload["args"])}
     except WorkerFailedError as exc:

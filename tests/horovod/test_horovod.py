@@ -13,7 +13,7 @@ from tests.distributed.test_parity import FP32_TOL, max_param_diff
 from tests.helpers.spawn import job_dirs, run_cli, run_parallel, run_process
 
 pytestmark = pytest.mark.skipif(
-    not has_hvd_support() and not os.environ.get("CI"),
+    not has_hvd_support and not os.environ.get("CI"),
     reason="Horovod is not installed here: bash scripts/install_horovod.sh (CI always builds it, so never skips)",
 )
 CASES = [(None, "fp32", "sgd")]
@@ -68,6 +68,7 @@ def test_collectives_through_horovod(tmp_path):
         assert (out[rank]["world"], out[rank]["backend"], out[rank]["nproc"]) == (2, "horovod", 2)
         assert out[rank]["sum"] == 3 and out[rank]["avg"] == [0.5]
         assert out[rank]["gather"] == [{"r": 0}, {"r": 1}] and out[rank]["broadcast"] == "from0"
+        assert out[rank]["safe"] == "only0" and out[rank]["max"] == [1.0]
 
 
 def test_a_raising_horovod_worker_is_named(tmp_path):

@@ -39,4 +39,7 @@ def collectives(local_rank: int) -> dict:
     return {"rank": rank, "world": idist.get_world_size(), "backend": idist.backend(),
             "sum": idist.all_reduce(rank + 1), "avg": idist.all_reduce(torch.tensor([float(rank)]), "average").tolist(),
             "gather": idist.all_gather({"r": rank}), "broadcast": idist.broadcast(f"from{rank}", src=0),
+            # only the source has a value: Horovod must not name the collective after each rank's type
+            "safe": idist.broadcast("only0" if rank == 0 else None, src=0, safe_mode=True),
+            "max": idist.all_reduce(torch.tensor([float(rank)]), "MAX").tolist(),
             "nproc": idist.get_nproc_per_node()}

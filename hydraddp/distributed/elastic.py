@@ -1,0 +1,260 @@
+"""Start workers on this node: torch's elastic agent (the engine behind torchrun) for the native backends, Horovod's
+own runner for Horovod. Each worker starts its computation model, runs ``fn(local_rank, *args, **kwargs)`` and
+tears the model down; a failure comes back as one ``WorkerFailedError`` naming the first failing rank."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hydraddp.distributed import machine, utils
+from hydraddp.distributed.comp_models.horovod import HOROVOD
+from hydraddp.distributed.env import free_port
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker raised or died. ``rank`` is the first failing global rank; ``error`` its exception line."""
+
+    def __init__(self, rank: int, error: str, exitcode: int | None = None, traceback: str = ""):
+        self.rank, self.error, self.exitcode, self.traceback = rank, error, exitcode, traceback
+        super().__init__(f"rank {rank} failed: {error}")
+
+
+@dataclass
+class _Entry:
+    """What each spawned worker runs. A dataclass so spawn can pickle it."""
+
+    backend: str
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+    init_kwargs: dict[str, Any]
+    failure_dir: str | None = None
+    forked: bool = False
+
+    def __call__(self) -> Any:
+        if self.forked:
+            # A forked worker inherits the agent's signal handlers; give it a fresh process's instead.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+                signal.signal(sig, signal.SIG_DFL)
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit():
+            torch.set_num_threads(int(threads))  # the env var alone can arrive after torch set its pool up
+        try:
+            utils.initialize(self.backend, **self.init_kwargs)
+            result = self.fn(utils.get_local_rank(), *self.args, **self.kwargs)
+            utils.barrier()  # nobody tears the group down while a peer still talks to it
+            return result
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
+        finally:
+            utils.finalize()
+
+    def _record_failure(self, exc: BaseException) -> None:
+        # torch reports only the rank whose exit it noticed first, often a peer that failed *because* the
+        # real culprit died. Each rank notes when it failed, so the parent can name the first one.
+        if self.failure_dir is None:
+            return
+        record = {
+            "rank": int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "-1"))),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "time": time.time(),
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+        Path(self.failure_dir, f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+def worker_start_method(backend: str | None) -> str:
+    """``fork`` where it is safe for a launcher process that has imported torch but run no tensor op, else
+    ``spawn``.
+
+    A forked worker starts with torch already imported: about a second sooner than a spawned one, which
+    imports it again. Safe for gloo on Linux on a machine without GPUs: a forked child cannot use CUDA once
+    its parent initialized it, and a gloo worker may still use a GPU for its tensors, so any visible GPU
+    means spawn. A process that ran tensor ops may hold OpenMP threads a child cannot use, so ``Parallel``
+    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this.
+    """
+    if backend == "gloo" and sys.platform == "linux" and machine.cuda_device_count() == 0 \
+            and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _run_entry(entry: _Entry) -> Any:
+    """The spawned process's entrypoint (elastic_launch wants a named function)."""
+    return entry()
+
+
+def _first_recorded_failure(failure_dir: str) -> WorkerFailedError | None:
+    records = [json.loads(p.read_text()) for p in Path(failure_dir).glob("rank*.json")]
+    if not records:
+        return None
+    first = min(records, key=lambda r: (-r["attempt"], r["time"]))
+    return WorkerFailedError(first["rank"], first["error"], 1, first["traceback"])
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def _failure_from(exc: Exception) -> WorkerFailedError:
+    """torch's ChildFailedError -> one error naming the first failing rank and its exception."""
+    rank, failure = exc.get_first_failure()
+    message = failure.message if isinstance(failure.message, str) else str(failure.message)
+    details = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
+    traceback = details.get("extraInfo", {}).get("py_callstack", "") if isinstance(details, dict) else ""
+    if failure.exitcode < 0 and not traceback:
+        message = f"killed by signal {signal.Signals(-failure.exitcode).name}"
+    return WorkerFailedError(rank, _first_line(traceback) if traceback else message, failure.exitcode, traceback)
+
+
+@contextlib.contextmanager
+def _worker_env(updates: dict[str, str]) -> Iterator[None]:
+    """Spawned workers copy this process's environment when they start; set ours for that moment only."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _quiet_elastic_errors() -> Iterator[None]:
+    """torch's agent logs every failed worker's traceback at ERROR; ``WorkerFailedError`` carries it already,
+    so a failure is reported once, by whoever catches that error."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+
+
+def _one_thread_per_rank(nproc_per_node: int) -> dict[str, str]:
+    # torchrun's rule: N ranks must not fight over the same cores, unless the user chose.
+    return {"OMP_NUM_THREADS": "1"} if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1 else {}
+
+
+def launch(
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | str | None = None,
+    max_restarts: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_timeout: int = 900,
+    run_id: str = "hydraddp",
+    log_dir: str | os.PathLike | None = None,
+    tee: bool = True,
+    monitor_interval: float = 0.1,
+    start_method: str = "spawn",
+    join: bool = True,
+    daemon: bool = False,
+    **init_kwargs: Any,
+) -> dict[int, Any]:
+    """Spawn ``nproc_per_node`` workers through ``torch.distributed.launcher.api.elastic_launch``.
+
+    One node uses torchrun's static rendezvous; ``nnodes>1`` uses c10d at ``rdzv_endpoint`` (or
+    ``master_addr:master_port``), hosted by node 0. ``max_restarts`` restarts the group, ``log_dir`` gets per-rank
+    logs, ``init_kwargs`` go to each worker's ``initialize``. ``join``/``daemon`` (torch.multiprocessing's) are
+    accepted for ignite's callers and have no effect: the agent always waits for its workers.
+    Returns ``{global_rank: fn's return value}`` for this node's ranks.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nnodes > 1 and not (rdzv_endpoint or (master_addr and master_port)):
+        raise ValueError(
+            f"nnodes={nnodes} needs a rendezvous address every node can reach: "
+            "pass rdzv_endpoint='HOST:PORT' (or master_addr and master_port), the same on every node"
+        )
+    endpoint = rdzv_endpoint or f"{master_addr or '127.0.0.1'}:{master_port or free_port()}"
+    rdzv_configs: dict[str, Any] = {"timeout": rdzv_timeout}
+    if nnodes > 1:
+        # Say who hosts the store: on loopback every "node" matches the endpoint's address.
+        rdzv_configs["is_host"] = node_rank == 0
+    else:
+        # One node: torchrun's default static rendezvous. c10d's dynamic one polls, which left the
+        # cores idle for about 0.3 s before the workers were spawned.
+        rdzv_configs["rank"] = 0
+    logs = DefaultLogsSpecs(
+        log_dir=str(log_dir) if log_dir else None,
+        redirects=Std.ALL if log_dir else Std.NONE,
+        tee=Std.ALL if (log_dir and tee) else Std.NONE,
+    )
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d" if nnodes > 1 else "static",
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+        logs_specs=logs,
+    )
+    failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
+    entry = _Entry(backend, fn, args, kwargs, init_kwargs, failure_dir, forked=config.start_method == "fork")
+    try:
+        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors():
+            return elastic_launch(config, _run_entry)(entry)
+    except ChildFailedError as exc:
+        raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None
+    except SignalException as exc:
+        # The agent already stopped every worker; report it as the interrupt it was.
+        raise KeyboardInterrupt(f"stopped by {exc.sigval.name}") from None
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+
+
+def launch_horovod(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], nproc_per_node: int,
+                   hosts: str | None = None, **init_kwargs: Any) -> dict[int, Any]:
+    """Spawn through Horovod's own runner (gloo controller), as horovodrun would."""
+    import horovod
+
+    failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
+    entry = _Entry(HOROVOD, fn, args, kwargs, init_kwargs, failure_dir)
+    try:
+        with _worker_env(_one_thread_per_rank(nproc_per_node)):
+            results = horovod.run(entry, np=nproc_per_node, hosts=hosts, use_gloo=True)
+    except RuntimeError as exc:
+        raise (_first_recorded_failure(failure_dir) or WorkerFailedError(-1, str(exc))) from None
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+    return dict(enumerate(results))

@@ -1,0 +1,1 @@
+# Needed to collect coverage data
