@@ -71,7 +71,7 @@ class Parallel:
                 # Refuse a backend this machine cannot run, with the fix, before any worker starts.
                 world = (nproc_per_node or 1) * (nnodes or 1)
                 machine.raise_for_problems(machine.combination(backend=backend, world_size=world), ["backend"])
-            if backend not in utils.available_backends():
+            if not utils.is_available(backend):
                 raise ValueError(f"Unknown backend '{backend}'. Available backends: {utils.available_backends()}")
         refuse_tcp_init_method(init_method)
         self.backend = backend

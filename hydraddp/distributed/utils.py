@@ -74,12 +74,16 @@ def current() -> ComputationModel:
     return _context
 
 
+def is_available(backend: str) -> bool:
+    """Whether ``backend`` runs here; Horovod is imported only when it is the one asked about."""
+    return backend in native_backends_available() or (backend == HOROVOD and _horovod_loads())
+
+
 def _assert_backend(backend: str) -> None:
     if backend == XLA_TPU:
         raise ValueError(XLA_NOT_SUPPORTED)
-    backends = available_backends()
-    if backend not in backends:
-        raise ValueError(f"Backend should be one of '{backends}', but given {backend!r}")
+    if not is_available(backend):
+        raise ValueError(f"Backend should be one of '{available_backends()}', but given {backend!r}")
 
 
 def available_backends() -> tuple[str, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import subprocess
 import sys
 import textwrap
 import types
@@ -147,3 +148,11 @@ def test_comp_models_has_ignites_names():
     for name in ("NCCL", "GLOO", "MPI", "has_native_dist_support", "_NativeDistModel"):
         assert hasattr(ours.native, name), name
     assert ours.base._SerialModel().get_world_size() == 1 and ours.base._torch_version_gt_112
+
+
+def test_the_native_path_never_imports_horovod():
+    """``has_hvd_support`` is a boolean, but Horovod is imported only when someone reads it or asks for it."""
+    code = ("import sys, hydraddp.distributed as idist; idist.Parallel(backend='gloo', nproc_per_node=2); "
+            "idist.get_rank(); idist.model_name(); print('horovod' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hydraddp.distributed import machine
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
 from hydraddp.distributed.env import LaunchEnv, detect_launch_env, free_port
 
@@ -175,7 +174,6 @@ class _NativeDistModel(ComputationModel):
         if init_method is not None and (rank is None) != (world_size is None):
             raise ValueError(f"Both rank and world_size should be provided, but given {rank} and {world_size}")
         refuse_tcp_init_method(init_method)
-        machine.raise_for_problems(machine.combination(backend=backend), ["backend"])
 
         launch = _launch_for_backend(rank, world_size)
         port = os.environ.get("MASTER_PORT") or launch.master_port
