@@ -24,6 +24,8 @@ def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
             kwargs["block_classes"] = list(blocks)  # what to shard is the model's to say
         if cfg.offload.name != "none":
             kwargs["offload"] = cfg.offload.name
+    if cfg.wrap.name == "fsdp" and cfg.optim.get("no_decay_norm_and_bias"):
+        kwargs.setdefault("use_orig_params", True)  # parameter groups need FSDP1's original parameters
     return kwargs
 
 

@@ -184,8 +184,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if rank == 0:  # under torchrun every rank gets here; one report is enough
         (job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
         run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""
+        evaluated = ", ".join(f"eval {name} {value:.3f}" for name, value in result["eval_metrics"].items())
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
-              f"{result['final_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}, "
+              f"{result['final_loss']:.4f}, {evaluated}, "
               f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}.{run}", flush=True)
     return {**outcome, "status": "ok", **result}
 

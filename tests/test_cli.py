@@ -114,6 +114,7 @@ def test_help_lists_every_group_and_its_options(tmp_path):
     assert "precision: bf16, bf16-true, fp16, fp32" in done.stdout
     assert "backend: auto, gloo, horovod, mpi, nccl, none" in done.stdout
     assert "offload: cpu, none" in done.stdout
+    assert "task: causal_lm, classification" in done.stdout
     assert "experiment: gpt_fsdp2, quick, wrap_sweep" in done.stdout
 
 

@@ -10,5 +10,24 @@ import re
 _EXPERIMENT = re.compile(r"^([+~]{0,2})experiment(=.*)?$")
 
 
+# Nodes whose ``_target_`` picks a class: a new target starts a new node. Without this, ``model._target_=my.Net``
+# would keep the MLP's constructor keys (hidden, num_classes, ...) and my.Net would get them.
+REPLACEABLE = ("model", "task")
+
+
+def _replacing(args: list[str], node: str) -> bool:
+    """A new ``node._target_`` given without choosing one of the group's options (``model=gpt``)."""
+    target = re.compile(rf"^\+{{0,2}}{node}\._target_=")
+    return any(target.match(a) for a in args) and not any(re.match(rf"^{node}=", a) for a in args)
+
+
 def normalize_overrides(args: list[str]) -> list[str]:
-    return [_EXPERIMENT.sub(r"\1experiment@_global_\2", a) for a in args]
+    args = [_EXPERIMENT.sub(r"\1experiment@_global_\2", a) for a in args]
+    for node in REPLACEABLE:
+        if not _replacing(args, node):
+            continue
+        keys = re.compile(rf"^\+{{0,2}}({node}\..*)$")
+        first = next(i for i, a in enumerate(args) if keys.match(a))
+        # ~node drops the group's option, so the node holds only what the command line gives it (++: add or set).
+        args = [*args[:first], f"~{node}", *(keys.sub(r"++\1", a) for a in args[first:])]
+    return args

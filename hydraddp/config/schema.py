@@ -60,6 +60,7 @@ class DataConfig:
 class OptimConfig:
     optimizer: Any = MISSING
     scheduler: Any = None
+    no_decay_norm_and_bias: bool = False  # biases and norm weights in a group with weight_decay=0
 
 
 @dataclass
@@ -69,6 +70,7 @@ class TrainerConfig:
     eval_every: int = 50
     seed: int = 0
     grad_clip: Optional[float] = 1.0
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step (the global batch stays data.batch_size)
     progress: bool = True
     stop_at_step: Optional[int] = None  # end this launch early, as a preemption would (a checkpoint is written)
 
@@ -100,6 +102,7 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     model: Any = MISSING
+    task: Any = MISSING  # a _target_ node: what a batch costs and what evaluation reports (hydraddp/train/tasks.py)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

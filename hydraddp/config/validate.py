@@ -78,6 +78,26 @@ def problems(cfg: DictConfig) -> list[Problem]:
             f"precision={cfg.precision.name} uses no grad scaler, but {', '.join(scaler_keys)} is set.",
             "Drop the grad scaler settings, or use precision=fp16 (the only mode that scales gradients).",
         ))
+    accumulate, world = cfg.trainer.accumulate_grad_batches, world_size(cfg)
+    per_rank = cfg.data.batch_size // world if world else 0
+    if accumulate > 1 and per_rank and per_rank % accumulate:
+        divisors = [d for d in range(2, per_rank + 1) if per_rank % d == 0][:6]
+        found.append(Problem(
+            ("trainer.accumulate_grad_batches", "data.batch_size"),
+            f"trainer.accumulate_grad_batches={accumulate} does not divide the per-rank batch of {per_rank} "
+            f"(data.batch_size={cfg.data.batch_size} over {world} ranks) into equal micro-batches.",
+            f"Set trainer.accumulate_grad_batches to a divisor of {per_rank} ({', '.join(map(str, divisors))}, ...), "
+            "or change data.batch_size.",
+        ))
+    if cfg.optim.no_decay_norm_and_bias and cfg.wrap.name == "fsdp" and cfg.wrap.kwargs.get("use_orig_params") is False:
+        found.append(Problem(
+            ("optim.no_decay_norm_and_bias", "wrap.kwargs.use_orig_params"),
+            "optim.no_decay_norm_and_bias=true needs FSDP1's original parameters, but "
+            "wrap.kwargs.use_orig_params=false flattens them into one parameter per unit: biases and norm weights "
+            "could not be told apart.",
+            "Drop wrap.kwargs.use_orig_params (hydraddp then sets it to true), "
+            "or set optim.no_decay_norm_and_bias=false.",
+        ))
     if detect_launch_env() is not None:
         return found  # attached: torchrun/SLURM already decided processes and nodes; the launcher group is unused
     launcher = cfg.launcher
@@ -98,7 +118,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
 # Every numeric key with the smallest value that means something (None: the key may be null).
 MINIMUMS = {
     "data.batch_size": 1, "data.eval_batch_size": 1, "data.num_workers": 0, "data.seq_len": 1,
-    "trainer.max_steps": 1, "trainer.log_every": 1, "trainer.eval_every": 0, "trainer.stop_at_step": 1,
+    "trainer.max_steps": 1, "trainer.log_every": 1, "trainer.accumulate_grad_batches": 1, "trainer.eval_every": 0, "trainer.stop_at_step": 1,
     "checkpoint.every_n_steps": 0, "checkpoint.keep_last": 0, "launcher.max_restarts": 0,
     "precision.growth_interval": 1,
 }

@@ -13,6 +13,7 @@ CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SI
 # On a resumed run: a JSON list, one entry per resume, of the checkpoint and step it resumed from and the
 # contract tags the run had until then (the tags themselves always say what the run runs with now).
 TAG_RESUMED_FROM = "hydraddp.resumed_from"
+TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes of the model and the task
 TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
 TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
 TAG_PARENT = "mlflow.parentRunId"
@@ -22,6 +23,11 @@ STARTUP_S = "perf/startup_s"  # from the launch command to the end of the first 
 RUN_ID_FILE = "mlflow_run_id"  # in the job directory, once the tracker has created (or continued) the run
 LAUNCHED_AT_ENV = "HYDRADDP_LAUNCHED_AT"  # the command's start (time.time()), set for the workers to inherit
 EVAL_LOSS, EVAL_ACCURACY = "eval/loss", "eval/accuracy"
+
+
+def eval_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A task's evaluation metrics under their MLflow names: ``eval/<name>`` (eval/loss, eval/accuracy, ...)."""
+    return {f"eval/{name}": value for name, value in metrics.items()}
 SHARDING_FIELDS = ("param_numel", "param_bytes", "grad_bytes", "optim_state_bytes")
 PEAK_MEMORY = "memory/peak_bytes"
 AGGREGATES = ("max", "min", "mean")

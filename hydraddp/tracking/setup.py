@@ -33,6 +33,9 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
         names.TAG_PRECISION: cfg.precision.name,
         names.TAG_OFFLOAD: cfg.offload.name,
         names.TAG_WORLD_SIZE: str(world_size),
+        # What was trained, by class: a sweep over users' models and tasks stays readable in the UI.
+        names.TAG_MODEL: str(resolved["model"].get("_target_", "?")),
+        names.TAG_TASK: str(resolved["task"].get("_target_", "?")),
     }
     parent = os.environ.get(PARENT_RUN_ENV)
     if parent:

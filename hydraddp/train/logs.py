@@ -10,13 +10,30 @@ from pathlib import Path
 FILE_ONLY = "hydraddp_file_only"  # logging's ``extra`` key for records kept out of the console
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """stderr, written around a live progress bar (``tqdm.write``): a log line never lands on the bar's line."""
+
+    bar_active = False  # set while the training loop's bar is on screen (one bar per process)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not ConsoleHandler.bar_active:
+            super().emit(record)
+            return
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_rank_logging(rank: int, job_dir: Path | None, level: int = logging.INFO) -> Path | None:
     """Route this process's logging to stderr as ``[rank R] ...`` and to ``<job_dir>/logs/rank{R}.log``."""
     fmt = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    console = logging.StreamHandler(sys.stderr)
+    console = ConsoleHandler(sys.stderr)
     console.setFormatter(fmt)
     # A failure's full traceback goes to the rank's file only: the launcher prints one short block for it.
     console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn import functional as F
 
 import hydraddp.distributed as idist
 from hydraddp.build import flops_per_token as model_flops_per_token
@@ -22,8 +21,10 @@ from hydraddp.build import instantiate_model, wrap_model
 from hydraddp.config.instantiate import instantiate
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data
-from hydraddp.train.step import optimizer_step
+from hydraddp.train import checkpoint, data, tasks
+from hydraddp.train.logs import ConsoleHandler
+from hydraddp.train.optim import parameter_groups
+from hydraddp.train.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class TrainResult:
     samples_per_s: float
     step_time_s: float
     eval_loss: float | None = None
-    eval_accuracy: float | None = None
+    eval_accuracy: float | None = None  # tasks that report accuracy
+    eval_metrics: dict[str, float] = field(default_factory=dict)  # everything the task reports
     steady_samples_per_s: float = 0.0  # after the first WARMUP_STEPS steps, evaluation excluded
     first_step_at: float = 0.0  # wall-clock time (time.time()) when the first optimizer step ended
     losses: dict[int, float] = field(default_factory=dict)  # logged step -> loss averaged over ranks
@@ -47,31 +49,33 @@ class TrainResult:
         return asdict(self)
 
 
-def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(inputs)
-    flat_logits = logits.flatten(0, -2)
-    return F.cross_entropy(flat_logits, targets.flatten()), flat_logits
+def _shown(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
 
 
 class Evaluation(NamedTuple):
-    loss: float
-    accuracy: float
+    metrics: dict[str, float]  # the task's, e.g. loss and accuracy, or loss and perplexity
     samples: int  # every sample of the eval set exactly once, summed over the ranks
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device) -> Evaluation:
-    """Mean loss and accuracy over the eval set, summed over every rank's shard."""
+def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None) -> Evaluation:
+    """The task's metrics over the eval set: every rank's sums added in one all-reduce, then summarized."""
+    task = task if task is not None else tasks.Classification()
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device), targets.to(device)
-        loss, logits = _loss(model, inputs, targets)
-        totals += torch.tensor([loss.item() * targets.numel(), (logits.argmax(-1) == targets.flatten()).sum().item(),
-                                targets.numel()], dtype=torch.float64, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    samples = 0
+    for batch in loader:
+        batch = tasks.to_device(batch, device)
+        samples += tasks.batch_size(batch)
+        for key, value in task.eval_sums(model, batch).items():
+            sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
     model.train()
-    loss_sum, correct, count = idist.all_reduce(totals).tolist()
-    return Evaluation(loss_sum / max(count, 1), correct / max(count, 1), int(count))
+    # A rank whose shard is empty has no keys yet: every rank reduces the same keys, in the same order.
+    keys = sorted({key for rank_keys in idist.all_gather(sorted(sums)) for key in rank_keys})
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    totals = idist.all_reduce(torch.stack([*(sums.get(k, zero) for k in keys), zero + samples])).tolist()
+    return Evaluation(task.summarize(dict(zip(keys, totals))), int(totals[-1]))
 
 
 # Steady-state throughput leaves out the first steps: they allocate, create the optimizer state and warm caches.
@@ -179,13 +183,20 @@ class _Saver:
         checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=ckpt.keep_last)
 
 
-def _progress(cfg: DictConfig):
+def _progress(cfg: DictConfig, start_step: int):
     show = cfg.trainer.progress and idist.get_rank() == 0 and sys.stderr.isatty()
     if not show:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
+    ConsoleHandler.bar_active = True  # until _close_progress: log lines are written around the bar
+    return tqdm(total=cfg.trainer.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _close_progress(progress) -> None:
+    if progress is not None:
+        progress.close()
+        ConsoleHandler.bar_active = False
 
 
 def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | None = None,
@@ -203,8 +214,12 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     bare = instantiate_model(cfg)
     flops_per_token, device_flops = model_flops_per_token(bare), peak_flops(device)
     model, _ = wrap_model(cfg, bare)
-    # model= lets Horovod's DistributedOptimizer name the gradients it reduces (ignored elsewhere).
-    optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(model.parameters()), model=model)
+    params = parameter_groups(model, cfg.optim.no_decay_norm_and_bias)
+    accumulate = cfg.trainer.accumulate_grad_batches
+    # model= lets Horovod's DistributedOptimizer name the gradients it reduces; it reduces after the last of the
+    # accumulated backward passes (both ignored elsewhere).
+    optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(params), model=model,
+                                 backward_passes_per_step=accumulate)
     horovod = idist.backend() == "horovod"
     scheduler = instantiate(cfg.optim.scheduler, "optim.scheduler")(optimizer) if cfg.optim.scheduler else None
     scaler_settings = {k: cfg.precision[k] for k in ("init_scale", "growth_interval") if cfg.precision.get(k) is not None}
@@ -215,19 +230,22 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         checkpoint.check_shared(root)  # before anything is loaded or saved: one checkpoint holds every rank's shards
     resumed = _resume(cfg, job_dir, model, optimizer, scheduler, scaler)
     start_step = resumed.step if resumed else 0
+    task = instantiate(cfg.task, "task")
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
     loader = data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed)
     eval_loader = data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers)
     trainer = cfg.trainer
-    log.info("training %s steps: wrap=%s precision=%s on %s, world size %d", trainer.max_steps, cfg.wrap.name,
-             cfg.precision.name, device, world)
 
     result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)
-    progress = _progress(cfg)
+    progress = _progress(cfg, start_step)
     batches = data.Batches(loader, start_step, cfg.trainer.seed)
     if resumed is not None:
         checkpoint.restore_rng(resumed.rng)  # now: nothing draws between here and the first step
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
+    # What will really run: the realized wrapper (wrap=auto decided), and the steps left after a resume.
+    realized = getattr(getattr(model, "_hydraddp_wrap", None), "wrap", cfg.wrap.name)
+    log.info("training steps %d-%d of %d: wrap=%s precision=%s task=%s on %s, world size %d", start_step + 1,
+             last_step, trainer.max_steps, realized, cfg.precision.name, type(task).__name__, device, world)
     saver = _Saver(cfg, job_dir, model, optimizer, scheduler, scaler, saved_config)
     window_start, window_steps, window_samples = time.perf_counter(), 0, 0
     # Logged steps wait here for their loss to be averaged over the ranks: one all_reduce per SYNC_STEPS steps
@@ -237,21 +255,15 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     steady_start, steady_samples, eval_seconds = None, 0, 0.0
     warmup_end = start_step + min(WARMUP_STEPS, max(last_step - start_step - 1, 0))
     for step in range(start_step + 1, last_step + 1):
-        inputs, targets = next(batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        loss, _ = _loss(model, inputs, targets)
-        optimizer.zero_grad()  # set_to_none by default; Horovod's wrapper takes no arguments
-        if scaler is not None:
-            scaler.scale(loss).backward()
-        else:
-            loss.backward()
-        optimizer_step(model, optimizer, scaler, trainer.grad_clip, horovod)
+        batch = tasks.to_device(next(batches), device)
+        loss = train_step(model, task, batch, optimizer, scaler, trainer.grad_clip, horovod, accumulate)
+        samples = tasks.batch_size(batch)
         if scheduler is not None:
             scheduler.step()
         window_steps += 1
-        window_samples += inputs.shape[0] * world
+        window_samples += samples * world
         if steady_start is not None:
-            steady_samples += inputs.shape[0] * world
+            steady_samples += samples * world
         if step == warmup_end:
             steady_start = time.perf_counter()
         if step == start_step + 1:
@@ -269,8 +281,9 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             elapsed = time.perf_counter() - window_start
             result.samples_per_s, result.step_time_s = window_samples / elapsed, elapsed / window_steps
             perf = {names.SAMPLES_PER_S: result.samples_per_s, names.STEP_TIME_S: result.step_time_s}
-            if flops_per_token and device_flops and inputs.dim() > 1:
-                tokens_per_s = result.samples_per_s * inputs.shape[1]
+            tokens = tasks.tokens_per_sample(batch)
+            if flops_per_token and device_flops and tokens:
+                tokens_per_s = result.samples_per_s * tokens
                 perf[names.MFU] = flops_per_token * tokens_per_s / (device_flops * world)
             logged.append(_Logged(step, loss.detach().float().reshape(1), perf, time.time()))
             window_start, window_steps, window_samples = time.perf_counter(), 0, 0
@@ -279,26 +292,25 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             logged = []
         if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step:
             eval_began = time.perf_counter()
-            eval_loss, eval_accuracy, _ = evaluate(model, eval_loader, device)
+            metrics = evaluate(model, eval_loader, device, task).metrics
             if steady_start is not None:
                 eval_seconds += time.perf_counter() - eval_began
-            log.info("step %d eval loss %.4f accuracy %.3f", step, eval_loss, eval_accuracy)
+            log.info("step %d eval %s", step, _shown(metrics))
             if events is not None:
-                events.metrics({names.EVAL_LOSS: eval_loss, names.EVAL_ACCURACY: eval_accuracy}, step)
+                events.metrics(names.eval_metrics(metrics), step)
         saver.after(step, last_step)
         if progress is not None:
             progress.update(1)
-    if progress is not None:
-        progress.close()
+    _close_progress(progress)
     if steady_start is not None and steady_samples:
         result.steady_samples_per_s = steady_samples / (time.perf_counter() - steady_start - eval_seconds)
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
-    result.eval_loss, result.eval_accuracy, _ = evaluate(model, eval_loader, device)
+    result.eval_metrics = evaluate(model, eval_loader, device, task).metrics
+    result.eval_loss, result.eval_accuracy = result.eval_metrics.get("loss"), result.eval_metrics.get("accuracy")
     peaks = idist.all_gather(peak_memory_bytes(device))
     result.peak_memory_bytes = [int(p) for p in peaks]
     if events is not None:
-        events.metrics({names.EVAL_LOSS: result.eval_loss, names.EVAL_ACCURACY: result.eval_accuracy,
+        events.metrics({**names.eval_metrics(result.eval_metrics),
                         **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)
-    log.info("done: loss %.4f, eval loss %.4f, eval accuracy %.3f", result.final_loss, result.eval_loss,
-             result.eval_accuracy)
+    log.info("done: loss %.4f, eval %s", result.final_loss, _shown(result.eval_metrics))
     return result

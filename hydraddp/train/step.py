@@ -1,12 +1,16 @@
-"""One optimizer step after the backward pass: unscaling, clipping and the step, in the order each
-wrapper needs them."""
+"""One training step: the micro-batches' forward and backward passes (gradients reduced once, with the last), then
+unscaling, clipping and the optimizer step, in the order each wrapper needs them."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+
+from hydraddp.train import tasks
 
 
 def clip(model: nn.Module, max_norm: float) -> None:
@@ -42,3 +46,42 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, g
             scaler.update()
         else:
             optimizer.step()
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients over the ranks in this backward pass (``enabled``), or keep them on this rank for a
+    micro-batch that is not the step's last: DDP's and FSDP1's ``no_sync``, FSDP2's ``set_requires_gradient_sync``.
+    (Horovod counts its backward passes itself: ``backward_passes_per_step``.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    if enabled:
+        yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif callable(getattr(model, "no_sync", None)):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def train_step(model: nn.Module, task: Any, batch: Any, optimizer: torch.optim.Optimizer, scaler,
+               grad_clip: float | None, horovod: bool, accumulate: int = 1) -> torch.Tensor:
+    """One optimizer step on this rank's ``batch``, in ``accumulate`` micro-batches of equal size. Each micro-batch's
+    loss counts 1/accumulate, so the step equals one pass over the whole batch; gradients cross the ranks once, in
+    the last micro-batch's backward pass. Returns the batch's loss (detached)."""
+    optimizer.zero_grad()  # set_to_none by default; Horovod's wrapper takes no arguments
+    total = torch.zeros((), device=next(iter(tasks.tensors(batch))).device)
+    micro_batches = tasks.split(batch, accumulate)
+    for index, micro in enumerate(micro_batches):
+        with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+            loss = task.loss(model, micro) / accumulate
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach().float()
+    optimizer_step(model, optimizer, scaler, grad_clip, horovod)
+    return total

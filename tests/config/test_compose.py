@@ -32,8 +32,8 @@ def test_the_contract_groups_have_exactly_the_contract_options():
 
 def test_all_groups_exist():
     groups = {g for g, _ in GROUP_OPTIONS}
-    assert groups == {"backend", "wrap", "precision", "offload", "launcher", "model", "data", "optim", "trainer",
-                      "tracking", "checkpoint"}
+    assert groups == {"backend", "wrap", "precision", "offload", "launcher", "model", "task", "data", "optim",
+                      "trainer", "tracking", "checkpoint"}
 
 
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)
@@ -91,3 +91,13 @@ def test_digits_are_read_from_scikit_learns_package_data():
     assert len(train) + len(evaluation) == 1797
     x, y = train[0]
     assert x.shape == (64,) and 0.0 <= float(x.min()) and float(x.max()) <= 1.0 and 0 <= int(y) <= 9
+
+
+def test_a_new_target_starts_a_new_node_instead_of_inheriting_the_options_keys():
+    cfg = compose(["model._target_=torch.nn.Linear", "model.in_features=64", "model.out_features=10"])
+    assert dict(cfg.model) == {"_target_": "torch.nn.Linear", "in_features": 64, "out_features": 10}
+    assert isinstance(instantiate(model_kwargs(cfg.model), "model"), __import__("torch").nn.Linear)
+    # choosing an option and changing one key still merges, as Hydra does
+    assert compose(["model=gpt", "model.depth=1"]).model.dim == compose(["model=gpt"]).model.dim
+    task = compose(["task._target_=tests.train.user_task.TopTwo", "task.label_smoothing=0.1"]).task
+    assert dict(task) == {"_target_": "tests.train.user_task.TopTwo", "label_smoothing": 0.1}

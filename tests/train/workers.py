@@ -44,7 +44,8 @@ def evaluate_all_digits(local_rank: int) -> dict:
     _, every_digit = digits(eval_fraction=1.0)
     torch.manual_seed(0)
     model = idist.auto_model(MLP())
-    evaluation = evaluate(model, data.eval_loader(every_digit, 256, 0), idist.device())
+    metrics, samples = evaluate(model, data.eval_loader(every_digit, 256, 0), idist.device())
+    evaluation = (metrics["loss"], metrics["accuracy"], samples)
     torch.manual_seed(0)
     gpt = GPT(depth=2, dim=32, heads=2, seq_len=16)
     bare_flops = flops_per_token(gpt)
@@ -52,3 +53,75 @@ def evaluate_all_digits(local_rank: int) -> dict:
         return {"evaluation": tuple(evaluation), "bare_flops": bare_flops}
     sharded = idist.auto_model(gpt, wrap="fsdp")
     return {"evaluation": tuple(evaluation), "bare_flops": bare_flops, "shard_flops": sharded.module.flops_per_token()}
+
+
+def no_decay_groups(local_rank: int, wraps: list[str]) -> dict:
+    """For each wrap: the names of the parameters in the weight-decay-0 group, and the names expected (every bias
+    and norm weight of the bare GPT), both without the wrappers' prefixes."""
+    from hydraddp.models.gpt import GPT
+    from hydraddp.train.optim import no_decay_names, parameter_groups
+
+    def clean(name):
+        for prefix in ("_fsdp_wrapped_module.", "module.", "_orig_mod."):
+            name = name.replace(prefix, "")
+        return name
+
+    out = {}
+    for wrap in wraps:
+        torch.manual_seed(0)
+        bare = GPT(depth=2, dim=32, heads=2, seq_len=16)
+        expected = sorted(name for name, _ in no_decay_names(bare))
+        kwargs = {"use_orig_params": True} if wrap == "fsdp" else {}
+        if wrap in ("fsdp", "fsdp2"):
+            kwargs["block_classes"] = ["GPTBlock"]
+        model = idist.auto_model(bare, wrap=wrap, **kwargs)
+        decay, exempt = parameter_groups(model, True)
+        name_of = {id(p): clean(n) for n, p in model.named_parameters()}
+        optimizer = torch.optim.AdamW([decay, exempt], weight_decay=0.1)
+        out[wrap] = {"exempt": sorted(name_of[id(p)] for p in exempt["params"]), "expected": expected,
+                     "decayed": len(decay["params"]), "total": len(list(model.parameters())),
+                     "decays": [group["weight_decay"] for group in optimizer.param_groups]}
+    return out
+
+
+def accumulation(local_rank: int, wraps: list[str], steps: int = 3) -> dict:
+    """For each wrap and K in (1, 4): ``steps`` optimizer steps of train_step on the same per-rank batches; the
+    final full parameters and, per step, the gradient reductions (all-reduce, reduce-scatter) torch dispatched."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hydraddp.models.mlp import MLP
+    from hydraddp.train.step import train_step
+    from hydraddp.train.tasks import Classification
+    from tests.distributed.workers import full_params
+
+    generator = torch.Generator().manual_seed(100 + idist.get_rank())
+    batches = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+               for _ in range(steps)]
+    class CountCollectives(TorchDispatchMode):
+        """Every c10d collective torch dispatches (DDP's reducer, FSDP's reduce-scatters), by name."""
+
+        def __init__(self):
+            super().__init__()
+            self.counts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self.counts[func.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for wrap in wraps:
+        for accumulate in (1, 4):
+            torch.manual_seed(0)
+            model = idist.auto_model(MLP(hidden=[32]), wrap=wrap)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            reductions = []
+            for batch in batches:
+                with CountCollectives() as mode:
+                    train_step(model, Classification(), batch, optimizer, None, None, False, accumulate)
+                reductions.append(sum(n for op, n in mode.counts.items()
+                                      if "reduce_scatter" in op or "allreduce" in op))
+            out[(wrap, accumulate)] = {"params": full_params(model), "reductions": reductions}
+    return out

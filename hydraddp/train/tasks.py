@@ -1,0 +1,211 @@
+"""The objective seam: what one batch costs and what evaluation reports. The loop knows nothing else about the task.
+
+A task is any object with these three methods (``task._target_=mypkg.MyTask`` builds one from config)::
+
+    loss(model, batch) -> Tensor                    # the mean loss of this rank's batch, to backpropagate
+    eval_sums(model, batch) -> dict[str, Tensor]    # sums over the batch (e.g. loss_sum, correct, count)
+    summarize(sums: dict[str, float]) -> dict[str, float]   # the sums of every rank's eval shard -> metrics
+
+``batch`` is already on the device (``to_device``: tensors inside tuples, lists, dicts and dataclasses move).
+Evaluation adds every rank's ``eval_sums`` in one all-reduce, then ``summarize`` turns them into metrics;
+each metric is logged as ``eval/<name>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding, prompt tokens)
+
+
+class TaskInputError(TypeError):
+    """A batch or a model output the task cannot read. The message names the task, what it got and what it expects."""
+
+    def __init__(self, task: object, what: str, got: Any, expected: str):
+        super().__init__(f"task {type(task).__name__}: the {what} is {_describe(got)}; expected {expected}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {sorted(map(str, value))}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _map_tensors(batch: Any, fn: Any, moves_itself: Any = None) -> Any:
+    """``batch`` rebuilt with ``fn`` applied to each tensor: in tuples, namedtuples, lists, dicts and dataclasses.
+    An object with its own ``.to`` (Hugging Face's ``BatchEncoding``) goes to ``moves_itself`` when given."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _map_tensors(v, fn, moves_itself)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_map_tensors(v, fn, moves_itself) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map_tensors(v, fn, moves_itself) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _map_tensors(getattr(batch, f.name), fn, moves_itself)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if moves_itself is not None and callable(getattr(batch, "to", None)):
+        return moves_itself(batch)
+    if isinstance(batch, Mapping):
+        return {k: _map_tensors(v, fn, moves_itself) for k, v in batch.items()}
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device``: tensors, tuples, namedtuples, lists, dicts, dataclasses, and
+    objects with their own ``.to`` (Hugging Face's ``BatchEncoding``)."""
+    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True), lambda b: b.to(device))
+
+
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``batch``, depth first."""
+    yield from _tensors(batch)
+
+
+def split(batch: Any, parts: int) -> list[Any]:
+    """``batch`` as ``parts`` micro-batches of equal size: every tensor cut along its first dimension, anything
+    else repeated. ``parts`` must divide the batch (validation says so before launch)."""
+    if parts == 1:
+        return [batch]
+    size = batch_size(batch)
+    if size % parts:
+        raise ValueError(f"a batch of {size} does not split into {parts} equal micro-batches")
+    step = size // parts
+    return [_map_tensors(batch, lambda t, i=i: t[i * step:(i + 1) * step] if t.dim() else t) for i in range(parts)]
+
+
+def _tensors(batch: Any):
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (tuple, list)):
+        for value in batch:
+            yield from _tensors(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from _tensors(getattr(batch, f.name))
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (0 when it has none)."""
+    first = next(_tensors(batch), None)
+    return 0 if first is None else (first.shape[0] if first.dim() else 1)
+
+
+def tokens_per_sample(batch: Any) -> int | None:
+    """Sequence length for MFU: the second dimension of the batch's first tensor, None for flat samples."""
+    first = next(_tensors(batch), None)
+    return first.shape[1] if first is not None and first.dim() > 1 else None
+
+
+def _field(output: Any, name: str) -> Any:
+    """``output.name`` or ``output[name]`` (a ``ModelOutput`` is both), else None."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _logits(task: object, output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = _field(output, "logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TaskInputError(task, "model output", output, "a logits tensor, or an output with .logits")
+
+
+class Classification:
+    """``(inputs, targets)`` batches, cross-entropy, accuracy. Logits may carry extra dims (a token per position):
+    every position is one prediction."""
+
+    name = "classification"
+
+    def _split(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+            return batch[0], batch[1]
+        if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
+            return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        raise TaskInputError(self, "batch", batch, "(inputs, targets) or a dict with 'labels'")
+
+    def _forward(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self._split(batch)
+        output = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+        logits = _logits(self, output)
+        if logits.shape[:-1].numel() != targets.numel():
+            raise TaskInputError(self, "model output", logits,
+                                 f"logits with one row per target ({tuple(targets.shape)} targets)")
+        return logits.flatten(0, -2), targets.flatten()
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        logits, targets = self._forward(model, batch)
+        return F.cross_entropy(logits, targets)
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        logits, targets = self._forward(model, batch)
+        return {"loss_sum": F.cross_entropy(logits.float(), targets, reduction="sum"),
+                "correct": (logits.argmax(-1) == targets).sum(), "count": torch.tensor(targets.numel())}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        count = max(sums["count"], 1)
+        return {"loss": sums["loss_sum"] / count, "accuracy": sums["correct"] / count}
+
+
+class CausalLM:
+    """Next-token prediction; reports loss and perplexity.
+
+    - A dict batch (``input_ids``, optional ``labels`` and ``attention_mask``) goes to the model as keywords. A
+      model output with ``.loss`` (or ``["loss"]``) is used as it is (Hugging Face shifts the labels itself);
+      otherwise the logits at position t predict the label at t+1, and ``-100`` labels count for nothing.
+    - A tuple batch ``(inputs, targets)`` holds targets already shifted (the bundled text data): the logits at t
+      predict ``targets[t]``.
+    """
+
+    name = "causal_lm"
+
+    def _losses(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token losses, number of tokens that count)."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+            logits, labels = _logits(self, model(batch[0])), batch[1]
+        elif isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+            output = model(**batch)
+            labels = batch.get("labels", batch["input_ids"])
+            if "attention_mask" in batch and "labels" not in batch:
+                labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+            counted = (labels[..., 1:] != IGNORE_INDEX).sum()
+            loss = _field(output, "loss")
+            if isinstance(loss, torch.Tensor) and "labels" in batch:
+                return loss.float() * counted, counted  # the model's own mean over the counted tokens
+            logits, labels = _logits(self, output)[..., :-1, :], labels[..., 1:]
+        else:
+            raise TaskInputError(self, "batch", batch, "a dict with 'input_ids' (and 'labels'), or (inputs, targets)")
+        if logits.shape[:-1] != labels.shape:
+            raise TaskInputError(self, "model output", logits, f"logits of shape {tuple(labels.shape)} + (vocab,)")
+        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
+        total = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return total, (flat_labels != IGNORE_INDEX).sum()
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        total, count = self._losses(model, batch)
+        return total / count.clamp(min=1)
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        total, count = self._losses(model, batch)
+        return {"loss_sum": total, "tokens": count}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        loss = sums["loss_sum"] / max(sums["tokens"], 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}

@@ -1,0 +1,46 @@
+"""No-decay parameter groups (optim.no_decay_norm_and_bias) under every wrap."""
+
+from __future__ import annotations
+
+from hydraddp.build import wrap_kwargs
+from hydraddp.config.compose import compose
+from hydraddp.config.validate import problems
+from tests.helpers.spawn import run_parallel
+
+
+def test_no_decay_groups_hold_exactly_the_biases_and_norm_weights_under_every_wrap(tmp_path):
+    out = run_parallel("tests.train.workers:no_decay_groups", ["none", "ddp", "fsdp", "fsdp2"], tmp_path=tmp_path)
+    for rank in (0, 1):
+        for wrap, groups in out[rank].items():
+            assert groups["exempt"] == groups["expected"], wrap
+            assert any(name.endswith("norm1.weight") for name in groups["exempt"]) and "head.bias" in groups["exempt"]
+            assert groups["decayed"] + len(groups["exempt"]) == groups["total"], wrap
+            assert groups["decays"] == [0.1, 0.0], wrap
+
+
+def test_fsdp1_gets_its_original_parameters_and_a_flat_one_is_refused():
+    cfg = compose(["wrap=fsdp", "optim.no_decay_norm_and_bias=true"])
+    assert wrap_kwargs(cfg, object())["use_orig_params"] is True
+    flat = compose(["wrap=fsdp", "optim.no_decay_norm_and_bias=true", "+wrap.kwargs.use_orig_params=false"])
+    [problem] = [p for p in problems(flat) if "optim.no_decay_norm_and_bias" in p.keys]
+    assert "wrap.kwargs.use_orig_params=false flattens them" in problem.message
+    assert "Drop wrap.kwargs.use_orig_params" in problem.fix
+
+
+def test_accumulating_four_micro_batches_is_one_step_with_one_gradient_reduction(tmp_path):
+    """trainer.accumulate_grad_batches=4 gives the parameters of K=1 at the same batch (fp32, 1e-5), and the ranks
+    exchange gradients once per optimizer step, as with K=1 (counted by torch's CommDebugMode, not assumed)."""
+    out = run_parallel("tests.train.workers:accumulation", ["ddp", "fsdp", "fsdp2"], tmp_path=tmp_path)
+    for rank in (0, 1):
+        for wrap in ("ddp", "fsdp", "fsdp2"):
+            one, four = out[rank][(wrap, 1)], out[rank][(wrap, 4)]
+            assert one["reductions"] == four["reductions"] == [1, 1, 1], wrap
+            for name, value in one["params"].items():
+                assert (four["params"][name] - value).abs().max().item() < 1e-5, (wrap, name)
+
+
+def test_a_k_that_does_not_divide_the_per_rank_batch_is_refused_with_the_fix():
+    cfg = compose(["data.batch_size=64", "trainer.accumulate_grad_batches=5"])  # 32 per rank on 2 ranks
+    [problem] = [p for p in problems(cfg) if "trainer.accumulate_grad_batches" in p.keys]
+    assert problem.message.startswith("trainer.accumulate_grad_batches=5 does not divide the per-rank batch of 32")
+    assert "a divisor of 32 (2, 4, 8, 16, 32, ...)" in problem.fix
