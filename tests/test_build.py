@@ -22,3 +22,13 @@ def test_the_same_seed_builds_the_same_weights():
     first, _ = build_model(cfg)
     second, _ = build_model(cfg)
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+
+
+def test_fsdp_units_come_from_the_models_own_no_split_modules(tmp_path):
+    """A Hugging Face-style model (``_no_split_modules``) gets one FSDP unit per declared block, with no config."""
+    from tests.helpers.spawn import run_parallel
+
+    out = run_parallel("tests.train.workers:units_from_the_model", ["fsdp", "fsdp2"], tmp_path=tmp_path)
+    for rank in (0, 1):
+        for wrap in ("fsdp", "fsdp2"):
+            assert sorted(out[rank][wrap]) == ["<root>", "layers.0", "layers.1", "layers.2"], (wrap, out[rank][wrap])

@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import torch
+from torch import nn
 import torch.distributed.checkpoint as dcp
 
 import hydraddp.distributed as idist
@@ -124,4 +125,42 @@ def accumulation(local_rank: int, wraps: list[str], steps: int = 3) -> dict:
                 reductions.append(sum(n for op, n in mode.counts.items()
                                       if "reduce_scatter" in op or "allreduce" in op))
             out[(wrap, accumulate)] = {"params": full_params(model), "reductions": reductions}
+    return out
+
+
+class HFLayer(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU())
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class HFStyle(nn.Module):
+    """A model that declares its blocks the Hugging Face way (``_no_split_modules``), for the FSDP units."""
+
+    _no_split_modules = ["HFLayer"]
+
+    def __init__(self, dim: int = 16, layers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(HFLayer(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def units_from_the_model(local_rank: int, wraps: list[str]) -> dict:
+    """build_model on a model with _no_split_modules: the units each FSDP made, from the WrapReport."""
+    from hydraddp.build import build_model
+    from hydraddp.config.compose import compose
+
+    out = {}
+    for wrap in wraps:
+        cfg = compose([f"wrap={wrap}", "model._target_=tests.train.workers.HFStyle", "model.layers=3"])
+        _, report = build_model(cfg)
+        out[wrap] = report.units
     return out
