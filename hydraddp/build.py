@@ -10,24 +10,18 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.config.instantiate import instantiate, model_kwargs
+from hydraddp.distributed.policies import declared_blocks
 from hydraddp.distributed.report import WrapReport
 
 POLICY_KEYS = ("auto_wrap_policy", "block_classes", "min_num_params")
-
-
-def block_classes(model: nn.Module) -> tuple[str, ...]:
-    """What one FSDP unit is, as the model itself says it: hydraddp's ``fsdp_block_classes``, or Hugging Face's
-    ``_no_split_modules`` (a transformers model's decoder-layer classes). The one place that knows per-model
-    parallelization; ``wrap.kwargs.block_classes`` or an ``auto_wrap_policy`` given by the user win."""
-    declared = getattr(model, "fsdp_block_classes", None) or getattr(model, "_no_split_modules", None) or ()
-    return tuple(declared)
 
 
 def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
     """The wrapper's keyword arguments: ``wrap.kwargs``, the model's own FSDP blocks, the offload."""
     kwargs = dict(cfg.wrap.kwargs)
     if cfg.wrap.name in ("fsdp", "fsdp2"):
-        blocks = block_classes(model)
+        # What one unit is, the model says itself (policies.declared_blocks); the user's policy keys win.
+        blocks = declared_blocks(model)
         if blocks and not any(key in kwargs for key in POLICY_KEYS):
             kwargs["block_classes"] = list(blocks)  # what to shard is the model's to say
         if cfg.offload.name != "none":
@@ -46,7 +40,9 @@ def instantiate_model(cfg: DictConfig) -> nn.Module:
 def wrap_model(cfg: DictConfig, model: nn.Module) -> tuple[nn.Module, WrapReport]:
     """``auto_model`` with the config's wrap, precision and offload."""
     wrapped = idist.auto_model(model, sync_bn=bool(cfg.model.get("sync_bn", False)), wrap=cfg.wrap.name,
-                               precision=cfg.precision.name, **wrap_kwargs(cfg, model))
+                               precision=cfg.precision.name,
+                               activation_checkpointing=cfg.trainer.activation_checkpointing,
+                               **wrap_kwargs(cfg, model))
     return wrapped, idist.wrap_report(wrapped)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import machine, utils, wrappers
+from hydraddp.distributed import machine, policies, utils, wrappers
 from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
@@ -40,6 +40,28 @@ def combination_here(**fields: Any) -> Combination:
     return machine.combination(has_horovod=ctx.backend() == HOROVOD, **fields)
 
 
+def _checkpoint_blocks(model: nn.Module, realized: str, kwargs: dict[str, Any]) -> list[str]:
+    """Activation checkpointing on each block, before any wrapper sees the model (torchtitan's order). The blocks
+    are the FSDP units (``block_classes``) or the model's own declaration (``fsdp_block_classes``,
+    ``_no_split_modules``)."""
+    classes = kwargs.get("block_classes") if realized in ("fsdp", "fsdp2") else kwargs.pop("block_classes", None)
+    classes = classes or policies.declared_blocks(model)
+    if not classes:
+        raise ConfigurationError(Problem(
+            ("activation_checkpointing",),
+            f"activation checkpointing works per block, and {type(model).__name__} declares none "
+            "(no fsdp_block_classes, no _no_split_modules).",
+            "Name the blocks: block_classes=['MyBlock'] (the app: +wrap.kwargs.block_classes=[MyBlock]), "
+            "or turn activation checkpointing off."))
+    names = policies.checkpoint_blocks(model, classes)
+    if not names:
+        raise ConfigurationError(Problem(
+            ("activation_checkpointing",),
+            f"activation checkpointing found no block of {list(classes)} in {type(model).__name__}.",
+            "Name block classes the model really has, or turn activation checkpointing off."))
+    return names
+
+
 def auto_model(
     model: nn.Module,
     sync_bn: bool = False,
@@ -47,6 +69,7 @@ def auto_model(
     *,
     wrap: str | None = None,
     precision: str | None = None,
+    activation_checkpointing: bool = False,
     **kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to ``device()`` and wrap it for the current context.
@@ -55,7 +78,8 @@ def auto_model(
     broadcast under horovod, DataParallel with no process group and several GPUs, else unwrapped.
     ``use_fsdp=True`` means ``wrap="fsdp2"``. Explicit ``wrap`` is ``none|dp|ddp|fsdp|fsdp2``; ``kwargs``
     go to the wrapper, plus ``auto_wrap_policy``/``block_classes``/``min_num_params`` for FSDP and
-    ``offload="cpu"``. ``precision`` is ``fp32|bf16|fp16|bf16-true``.
+    ``offload="cpu"``. ``precision`` is ``fp32|bf16|fp16|bf16-true``. ``activation_checkpointing=True`` recomputes
+    each block's activations in the backward pass (blocks: ``block_classes`` or the model's own declaration).
 
     >>> model = idist.auto_model(model, wrap="fsdp2", precision="bf16", block_classes=["Block"])  # doctest: +SKIP
     """
@@ -82,6 +106,7 @@ def auto_model(
         log.info("Converting BatchNorm to SyncBatchNorm")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
+    checkpointed = _checkpoint_blocks(model, realized, kwargs) if activation_checkpointing else []
     # On the model itself, before wrapping: the wrappers call it, DataParallel's replicas copy its hooks, and
     # the FSDPs cast for themselves (their outputs still come back in fp32 from these hooks).
     add_precision_hooks(model, spec, device.type, autocast=realized in ("none", "dp", "ddp", HOROVOD))
@@ -99,7 +124,7 @@ def auto_model(
             model = wrappers.wrap_fsdp2(model, device, utils.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
-    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel)
+    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed))
     return model
 
 

@@ -141,3 +141,24 @@ def plan_units(root: nn.Module, policy: Policy, skip: Callable[[nn.Module], bool
 
     visit(root, "")
     return units
+
+
+def declared_blocks(model: nn.Module) -> tuple[str, ...]:
+    """What one block of ``model`` is, as the model itself says: hydraddp's ``fsdp_block_classes``, or Hugging Face's
+    ``_no_split_modules`` (a transformers model's decoder-layer classes)."""
+    return tuple(getattr(model, "fsdp_block_classes", None) or getattr(model, "_no_split_modules", None) or ())
+
+
+def checkpoint_blocks(model: nn.Module, classes: Iterable[type | str]) -> list[str]:
+    """Wrap every block (``classes``) in torch's non-reentrant activation checkpointing: its activations are
+    recomputed in the backward pass instead of kept. Call it before sharding. Returns the blocks' names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    classes = tuple(classes)
+    names = [name for name, module in model.named_modules() if module is not model and _matches(module, classes)]
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda module: _matches(module, classes))
+    return names

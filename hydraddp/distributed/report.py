@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ class WrapRecord:
     precision: PrecisionSpec
     offload: str
     total_numel: int
+    checkpointed: tuple[str, ...] = ()  # blocks under activation checkpointing
 
 
 @dataclass
@@ -49,6 +50,7 @@ class WrapReport:
     param_bytes: int
     grad_bytes: int
     optim_state_bytes: int
+    checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are recomputed in backward
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,4 +146,5 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         param_bytes=sum(_nbytes(p) for p in params),
         grad_bytes=sum(_nbytes(p.grad) for p in params if p.grad is not None),
         optim_state_bytes=_optimizer_state_bytes(optimizer),
+        checkpointed=list(record.checkpointed) if record is not None else [],
     )

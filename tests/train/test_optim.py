@@ -44,3 +44,38 @@ def test_a_k_that_does_not_divide_the_per_rank_batch_is_refused_with_the_fix():
     [problem] = [p for p in problems(cfg) if "trainer.accumulate_grad_batches" in p.keys]
     assert problem.message.startswith("trainer.accumulate_grad_batches=5 does not divide the per-rank batch of 32")
     assert "a divisor of 32 (2, 4, 8, 16, 32, ...)" in problem.fix
+
+
+def test_activation_checkpointing_keeps_the_losses_and_says_where_it_is(tmp_path):
+    out = run_parallel("tests.train.workers:activation_checkpointing", ["ddp", "fsdp", "fsdp2"], tmp_path=tmp_path)
+    for rank in (0, 1):
+        for wrap in ("ddp", "fsdp", "fsdp2"):
+            plain, checkpointed = out[rank][(wrap, False)], out[rank][(wrap, True)]
+            assert plain["checkpointed"] == [] and checkpointed["checkpointed"] == ["blocks.0", "blocks.1"], wrap
+            for a, b in zip(plain["losses"], checkpointed["losses"]):
+                assert abs(a - b) < 1e-6, (wrap, plain["losses"], checkpointed["losses"])
+
+
+def test_activation_checkpointing_lowers_the_measured_peak_of_activations():
+    """torch's MemTracker on CPU, one forward and backward of the GPT (4 blocks, batch 32 x 64 tokens): the peak of
+    activation memory falls by more than half (64.3 -> 15.1 MiB when this was written)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import hydraddp.distributed as idist
+    from hydraddp.models.gpt import GPT
+    from hydraddp.train.tasks import CausalLM
+
+    peaks = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = idist.auto_model(GPT(depth=4, dim=128, heads=4, seq_len=64), wrap="none",
+                                 activation_checkpointing=checkpointing)
+        batch = (torch.randint(0, 128, (32, 64)), torch.randint(0, 128, (32, 64)))
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            CausalLM().loss(model, batch).backward()
+        cpu = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        peaks[checkpointing] = next(v for k, v in cpu.items() if getattr(k, "value", k) == "Activation")
+    assert peaks[True] < peaks[False] / 2, peaks

@@ -164,3 +164,25 @@ def units_from_the_model(local_rank: int, wraps: list[str]) -> dict:
         _, report = build_model(cfg)
         out[wrap] = report.units
     return out
+
+
+def activation_checkpointing(local_rank: int, wraps: list[str], steps: int = 3) -> dict:
+    """For each wrap, with and without activation checkpointing on the GPT's blocks: per-step losses of
+    train_step on the same batches, and the WrapReport's checkpointed blocks."""
+    from hydraddp.models.gpt import GPT
+    from hydraddp.train.step import train_step
+    from hydraddp.train.tasks import CausalLM
+
+    generator = torch.Generator().manual_seed(7 + idist.get_rank())
+    batches = [(torch.randint(0, 128, (4, 16), generator=generator), torch.randint(0, 128, (4, 16), generator=generator))
+               for _ in range(steps)]
+    out = {}
+    for wrap in wraps:
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            model = idist.auto_model(GPT(depth=2, dim=32, heads=2, seq_len=16), wrap=wrap,
+                                     activation_checkpointing=checkpointing)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = [train_step(model, CausalLM(), batch, optimizer, None, None, False).item() for batch in batches]
+            out[(wrap, checkpointing)] = {"losses": losses, "checkpointed": idist.wrap_report(model).checkpointed}
+    return out
