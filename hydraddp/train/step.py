@@ -76,7 +76,7 @@ def train_step(model: nn.Module, task: Any, batch: Any, optimizer: torch.optim.O
     loss counts 1/accumulate, so the step equals one pass over the whole batch; gradients cross the ranks once, in
     the last micro-batch's backward pass. Returns the batch's loss (detached)."""
     optimizer.zero_grad()  # set_to_none by default; Horovod's wrapper takes no arguments
-    total = torch.zeros((), device=next(iter(tasks.tensors(batch))).device)
+    total = torch.zeros((), device=next(tasks.tensors(batch)).device)
     micro_batches = tasks.split(batch, accumulate)
     for index, micro in enumerate(micro_batches):
         with gradient_sync(model, enabled=index == len(micro_batches) - 1):

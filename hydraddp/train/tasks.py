@@ -69,11 +69,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return _map_tensors(batch, lambda t: t.to(device, non_blocking=True), lambda b: b.to(device))
 
 
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``batch``, depth first."""
-    yield from _tensors(batch)
-
-
 def split(batch: Any, parts: int) -> list[Any]:
     """``batch`` as ``parts`` micro-batches of equal size: every tensor cut along its first dimension, anything
     else repeated. ``parts`` must divide the batch (validation says so before launch)."""
@@ -86,29 +81,30 @@ def split(batch: Any, parts: int) -> list[Any]:
     return [_map_tensors(batch, lambda t, i=i: t[i * step:(i + 1) * step] if t.dim() else t) for i in range(parts)]
 
 
-def _tensors(batch: Any):
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``batch``, depth first."""
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, Mapping):
         for value in batch.values():
-            yield from _tensors(value)
+            yield from tensors(value)
     elif isinstance(batch, (tuple, list)):
         for value in batch:
-            yield from _tensors(value)
+            yield from tensors(value)
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for f in dataclasses.fields(batch):
-            yield from _tensors(getattr(batch, f.name))
+            yield from tensors(getattr(batch, f.name))
 
 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor (0 when it has none)."""
-    first = next(_tensors(batch), None)
+    first = next(tensors(batch), None)
     return 0 if first is None else (first.shape[0] if first.dim() else 1)
 
 
 def tokens_per_sample(batch: Any) -> int | None:
     """Sequence length for MFU: the second dimension of the batch's first tensor, None for flat samples."""
-    first = next(_tensors(batch), None)
+    first = next(tensors(batch), None)
     return first.shape[1] if first is not None and first.dim() > 1 else None
 
 
