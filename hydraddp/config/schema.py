@@ -72,6 +72,7 @@ class TrainerConfig:
     grad_clip: Optional[float] = 1.0
     accumulate_grad_batches: int = 1  # micro-batches per optimizer step (the global batch stays data.batch_size)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (the model's blocks)
+    compile: bool = False  # torch.compile: per block before fully_shard (fsdp2), the whole model (none, ddp)
     progress: bool = True
     stop_at_step: Optional[int] = None  # end this launch early, as a preemption would (a checkpoint is written)
 

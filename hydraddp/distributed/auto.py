@@ -16,7 +16,7 @@ from hydraddp.distributed import machine, policies, utils, wrappers
 from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
-from hydraddp.distributed.report import WrapRecord
+from hydraddp.distributed.report import ROOT, WrapRecord
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,19 @@ def _checkpoint_blocks(model: nn.Module, realized: str, kwargs: dict[str, Any]) 
     return names
 
 
+def _compile(model: nn.Module, realized: str, kwargs: dict[str, Any]) -> list[str]:
+    """torch.compile before any wrapper: per block under fsdp2 (torchtitan's rule: each compiled graph stays inside
+    one unit, whose all-gathers FSDP2 runs outside it), else, or when the model declares no blocks, the whole model
+    (under ddp the module DDP calls: its gradient hooks run as each compiled backward accumulates).
+    Returns the compiled modules' names."""
+    classes = (kwargs.get("block_classes") or policies.declared_blocks(model)) if realized == "fsdp2" else ()
+    names = policies.compile_blocks(model, classes) if classes else []
+    if not names:
+        policies.compile_module(model)
+        return [ROOT]
+    return [name.replace("._checkpoint_wrapped_module", "") for name in names]
+
+
 def auto_model(
     model: nn.Module,
     sync_bn: bool = False,
@@ -70,6 +83,7 @@ def auto_model(
     wrap: str | None = None,
     precision: str | None = None,
     activation_checkpointing: bool = False,
+    compile: bool = False,
     **kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to ``device()`` and wrap it for the current context.
@@ -80,6 +94,8 @@ def auto_model(
     go to the wrapper, plus ``auto_wrap_policy``/``block_classes``/``min_num_params`` for FSDP and
     ``offload="cpu"``. ``precision`` is ``fp32|bf16|fp16|bf16-true``. ``activation_checkpointing=True`` recomputes
     each block's activations in the backward pass (blocks: ``block_classes`` or the model's own declaration).
+    ``compile=True`` is ``torch.compile``: each block before ``fully_shard`` under fsdp2 (the whole model when it
+    declares no blocks), the whole model under none and ddp; other wraps refuse it.
 
     >>> model = idist.auto_model(model, wrap="fsdp2", precision="bf16", block_classes=["Block"])  # doctest: +SKIP
     """
@@ -89,7 +105,7 @@ def auto_model(
         wrap = "fsdp2"
     offload = _offload_from(kwargs)
     combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn,
-                             nproc_per_node=utils.get_nproc_per_node())
+                             compile=compile, nproc_per_node=utils.get_nproc_per_node())
     machine.raise_for_problems(combo)
     realized = resolve_wrap(combo)
     spec = precision_spec(precision)
@@ -107,6 +123,7 @@ def auto_model(
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
     checkpointed = _checkpoint_blocks(model, realized, kwargs) if activation_checkpointing else []
+    compiled = _compile(model, realized, kwargs) if compile else []
     # On the model itself, before wrapping: the wrappers call it, DataParallel's replicas copy its hooks, and
     # the FSDPs cast for themselves (their outputs still come back in fp32 from these hooks).
     add_precision_hooks(model, spec, device.type, autocast=realized in ("none", "dp", "ddp", HOROVOD))
@@ -124,7 +141,7 @@ def auto_model(
             model = wrappers.wrap_fsdp2(model, device, utils.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
-    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed))
+    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed), tuple(compiled))
     return model
 
 

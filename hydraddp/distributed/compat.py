@@ -45,6 +45,7 @@ class Combination:
     precision: str | None = "fp32"
     offload: str = "none"
     sync_bn: bool = False
+    compile: bool = False  # torch.compile (per block under fsdp2, the whole model under none/ddp)
     world_size: int = 1
     nproc_per_node: int | None = None  # processes on this node; None: all of world_size
     cuda_device_count: int = 0
@@ -58,6 +59,15 @@ class Combination:
     @property
     def has_process_group(self) -> bool:
         return self.backend not in (None, "none")
+
+
+# torch.compile's places: per block before fully_shard (torchtitan's rule), or the whole model.
+COMPILED_WRAPS = ("none", "ddp", "fsdp2")
+COMPILE_REFUSED = {
+    "dp": "DataParallel copies the module to every device at each step, and each copy would be compiled anew.",
+    "fsdp": "FSDP1 runs its unit hooks around flat parameters, which Dynamo does not trace (torch compiles FSDP2).",
+    "horovod": "hydraddp does not compile under Horovod: its gradient hooks are untested with compiled graphs.",
+}
 
 
 def resolve_wrap(combo: Combination) -> str:
@@ -154,6 +164,10 @@ def check_compatibility(combo: Combination) -> list[Problem]:
         add(("sync_bn",), "sync_bn=true needs GPUs: SyncBatchNorm layers only work with GPU modules "
             "(torch's words: DDP refuses them on CPU), and this machine has none.",
             f"Set {n('sync_bn')}=false on CPU (BatchNorm statistics then stay per rank), or run on GPUs.")
+
+    if combo.compile and wrap not in COMPILED_WRAPS:
+        add(("compile", "wrap"), f"{n('compile')}=true cannot run with wrap={wrap}: {COMPILE_REFUSED[wrap]}",
+            f"Use wrap=fsdp2 (compiled per block) or wrap=ddp (the whole model), or set {n('compile')}=false.")
 
     if combo.global_batch_size is not None and combo.world_size > 1 and combo.global_batch_size % combo.world_size:
         per_rank = combo.global_batch_size / combo.world_size

@@ -162,3 +162,34 @@ def checkpoint_blocks(model: nn.Module, classes: Iterable[type | str]) -> list[s
         model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda module: _matches(module, classes))
     return names
+
+
+def compile_module(module: nn.Module) -> None:
+    """Compile ``module``'s forward in place. Its hooks (FSDP2's all-gathers, precision casts) stay eager around
+    the compiled graph, and its parameter names and state dict stay as they are (``torch.compile(module)`` would
+    add an ``_orig_mod.`` level).
+
+    Not ``module.compile()``: in torch 2.13 it hands Dynamo ``nn.Module._call_impl``, a frame in Dynamo's skip list,
+    so torch's own classes (``nn.Sequential``) silently stay eager; and FSDP2's hooks inside that call break the
+    graph before the forward. A function of ours is traced, and Dynamo inlines the module's forward from there.
+    """
+    import torch
+
+    forward = module.forward
+
+    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    module.forward = torch.compile(compiled_forward)
+
+
+def compile_blocks(model: nn.Module, classes: Iterable[type | str]) -> list[str]:
+    """``compile_module`` on every block (``classes``), the outermost match only. Returns the blocks' names."""
+    classes = tuple(classes)
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if module is model or not _matches(module, classes) or any(name.startswith(f"{n}.") for n in names):
+            continue
+        compile_module(module)
+        names.append(name)
+    return names

@@ -24,6 +24,7 @@ class WrapRecord:
     offload: str
     total_numel: int
     checkpointed: tuple[str, ...] = ()  # blocks under activation checkpointing
+    compiled: tuple[str, ...] = ()  # modules under torch.compile (ROOT: the whole model)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class WrapReport:
     grad_bytes: int
     optim_state_bytes: int
     checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are recomputed in backward
+    compiled: list[str] = field(default_factory=list)  # modules under torch.compile ("<root>": the whole model)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,4 +149,5 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         grad_bytes=sum(_nbytes(p.grad) for p in params if p.grad is not None),
         optim_state_bytes=_optimizer_state_bytes(optimizer),
         checkpointed=list(record.checkpointed) if record is not None else [],
+        compiled=list(record.compiled) if record is not None else [],
     )

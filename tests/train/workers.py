@@ -186,3 +186,33 @@ def activation_checkpointing(local_rank: int, wraps: list[str], steps: int = 3) 
             losses = [train_step(model, CausalLM(), batch, optimizer, None, None, False).item() for batch in batches]
             out[(wrap, checkpointing)] = {"losses": losses, "checkpointed": idist.wrap_report(model).checkpointed}
     return out
+
+
+def compiled(local_rank: int, runs: list[tuple[str, str]], steps: int = 4) -> dict:
+    """For each (model, wrap), eager and with ``compile=True``: per-step losses on the same batches, the WrapReport's
+    compiled modules, and how many graphs Dynamo really captured (a compile that silently ran eager captures none)."""
+    from torch._dynamo.utils import counters
+
+    from hydraddp.models.gpt import GPT
+    from hydraddp.models.mlp import MLP
+    from hydraddp.train.step import train_step
+    from hydraddp.train.tasks import CausalLM, Classification
+
+    generator = torch.Generator().manual_seed(3 + idist.get_rank())
+    data = {"mlp": [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+                    for _ in range(steps)],
+            "gpt": [(torch.randint(0, 128, (4, 16), generator=generator),
+                     torch.randint(0, 128, (4, 16), generator=generator)) for _ in range(steps)]}
+    build = {"mlp": (MLP, Classification), "gpt": (lambda: GPT(depth=2, dim=32, heads=2, seq_len=16), CausalLM)}
+    out = {}
+    for model_name, wrap in runs:
+        make_model, task = build[model_name]
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            counters.clear()
+            model = idist.auto_model(make_model(), wrap=wrap, compile=compiled)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = [train_step(model, task(), b, optimizer, None, None, False).item() for b in data[model_name]]
+            out[(model_name, wrap, compiled)] = {"losses": losses, "compiled": idist.wrap_report(model).compiled,
+                                     "graphs": counters["stats"]["unique_graphs"]}
+    return out
