@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything from nothing (a venv with torch pinned, hydraddp editable), then run.
 #   bash scripts/dev.sh run  [overrides]    # python -m hydraddp: the default experiment, 2 CPU processes
-#   bash scripts/dev.sh test [pytest args]  # the test suite
+#   bash scripts/dev.sh test [pytest args]  # the test suite, then tests/vision in .venv-vision
+#                                           # (HYDRADDP_VISION_TESTS=0 skips that second venv)
 # Setup runs once per pyproject.toml version; later calls go straight to the command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,14 +24,40 @@ fi
 stamp="$VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)-${command}"
 if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-  "$VENV/bin/python" -m pip install -q -e ".${extras}"
+  # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
+  "$VENV/bin/python" -m pip install -q -e ".${extras}" "$TORCH_SPEC"
   touch "$stamp"
 fi
+
+# torchvision must be the build made for its torch, and the registry has none for the CPU torch above (its
+# torchvision 0.28.0 is a CUDA build: "operator torchvision::nms does not exist"). A second venv holds a pair
+# that runs on the CPU, for the torchvision tests (tests/vision) alone.
+VISION_VENV=${VISION_VENV:-.venv-vision}
+VISION_SPEC=${VISION_SPEC:-torch==2.14.1 torchvision==0.29.1}
+vision_tests() {
+  if [ ! -x "$VISION_VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VISION_VENV"
+  fi
+  local vision_stamp="$VISION_VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)"
+  if [ ! -f "$vision_stamp" ]; then
+    # shellcheck disable=SC2086
+    "$VISION_VENV/bin/python" -m pip install -q $VISION_SPEC
+    # shellcheck disable=SC2086
+    "$VISION_VENV/bin/python" -m pip install -q -e ".[vision]" "pytest>=8" "pytest-timeout>=2.3" $VISION_SPEC
+    touch "$vision_stamp"
+  fi
+  "$VISION_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vision
+}
 
 case "$command" in
   run) exec "$VENV/bin/python" -m hydraddp "$@" ;;
   test)
     # The Horovod tests run for real: build it (once; later calls find it, or its cached wheel).
     PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh
-    exec "$VENV/bin/python" -m pytest "$@" ;;
+    status=0
+    "$VENV/bin/python" -m pytest "$@" || status=$?
+    if [ "${HYDRADDP_VISION_TESTS:-1}" = 1 ]; then
+      vision_tests || status=$?
+    fi
+    exit "$status" ;;
 esac

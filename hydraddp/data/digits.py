@@ -31,3 +31,15 @@ def digits(eval_fraction: float = 0.15, seed: int = 0) -> tuple[TensorDataset, T
     n_eval = int(len(labels) * eval_fraction)
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
     return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[eval_idx], labels[eval_idx])
+
+
+def digit_images(size: int = 32, eval_fraction: float = 0.15, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """The digits as 3-channel ``size`` x ``size`` images (bilinear upsampling), for image models such as ResNets."""
+
+    def as_images(split: TensorDataset) -> TensorDataset:
+        pixels, labels = split.tensors
+        images = torch.nn.functional.interpolate(pixels.reshape(-1, 1, 8, 8), size=(size, size), mode="bilinear")
+        return TensorDataset(images.expand(-1, 3, -1, -1).contiguous(), labels)
+
+    train, evaluation = digits(eval_fraction, seed)
+    return as_images(train), as_images(evaluation)

@@ -14,6 +14,7 @@ CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SI
 # contract tags the run had until then (the tags themselves always say what the run runs with now).
 TAG_RESUMED_FROM = "hydraddp.resumed_from"
 TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes of the model and the task
+TAG_MODEL_CLASS = "hydraddp.model_class"  # the class the model's _target_ built (a factory's product), from rank 0
 TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
 TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
 TAG_PARENT = "mlflow.parentRunId"

@@ -212,6 +212,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         saved_config = names.redact(plain, names.secret_paths(plain))
     device, world = idist.device(), idist.get_world_size()
     bare = instantiate_model(cfg)
+    if events is not None:
+        events.tag(names.TAG_MODEL_CLASS, f"{type(bare).__module__}.{type(bare).__qualname__}")
     flops_per_token, device_flops = model_flops_per_token(bare), peak_flops(device)
     model, _ = wrap_model(cfg, bare)
     params = parameter_groups(model, cfg.optim.no_decay_norm_and_bias)

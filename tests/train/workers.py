@@ -216,3 +216,15 @@ def compiled(local_rank: int, runs: list[tuple[str, str]], steps: int = 4) -> di
             out[(model_name, wrap, compiled)] = {"losses": losses, "compiled": idist.wrap_report(model).compiled,
                                      "graphs": counters["stats"]["unique_graphs"]}
     return out
+
+
+def train_configs(local_rank: int, cases: dict[str, list[str]]) -> dict:
+    """``train()`` of each composed config (name -> overrides) on this rank: its logged losses and WrapReports."""
+    from hydraddp.config.compose import compose
+    from hydraddp.train.loop import train
+
+    out = {}
+    for name, overrides in cases.items():
+        result = train(compose(overrides))
+        out[name] = {"losses": result.losses, "units": result.reports[0]["units"], "eval": result.eval_metrics}
+    return out
