@@ -68,14 +68,14 @@ def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None) -
     for batch in loader:
         batch = tasks.to_device(batch, device)
         samples += tasks.batch_size(batch)
-        for key, value in task.eval_sums(model, batch).items():
+        for key, value in tasks.eval_sums(task, model, batch).items():
             sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
     model.train()
     # A rank whose shard is empty has no keys yet: every rank reduces the same keys, in the same order.
     keys = sorted({key for rank_keys in idist.all_gather(sorted(sums)) for key in rank_keys})
     zero = torch.zeros((), dtype=torch.float64, device=device)
     totals = idist.all_reduce(torch.stack([*(sums.get(k, zero) for k in keys), zero + samples])).tolist()
-    return Evaluation(task.summarize(dict(zip(keys, totals))), int(totals[-1]))
+    return Evaluation(tasks.summarize(task, dict(zip(keys, totals))), int(totals[-1]))
 
 
 # Steady-state throughput leaves out the first steps: they allocate, create the optimizer state and warm caches.

@@ -1,10 +1,13 @@
 """The objective seam: what one batch costs and what evaluation reports. The loop knows nothing else about the task.
 
-A task is any object with these three methods (``task._target_=mypkg.MyTask`` builds one from config)::
+A task is any object with a ``loss`` method, and optionally the two evaluation methods
+(``task._target_=mypkg.MyTask`` builds one from config)::
 
     loss(model, batch) -> Tensor                    # the mean loss of this rank's batch, to backpropagate
     eval_sums(model, batch) -> dict[str, Tensor]    # sums over the batch (e.g. loss_sum, correct, count)
     summarize(sums: dict[str, float]) -> dict[str, float]   # the sums of every rank's eval shard -> metrics
+
+Without ``eval_sums``/``summarize``, evaluation reports ``loss``: the batches' losses weighted by their sizes.
 
 ``batch`` is already on the device (``to_device``: tensors inside tuples, lists, dicts and dataclasses move).
 Evaluation adds every rank's ``eval_sums`` in one all-reduce, then ``summarize`` turns them into metrics;
@@ -106,6 +109,21 @@ def tokens_per_sample(batch: Any) -> int | None:
     """Sequence length for MFU: the second dimension of the batch's first tensor, None for flat samples."""
     first = next(tensors(batch), None)
     return first.shape[1] if first is not None and first.dim() > 1 else None
+
+
+def eval_sums(task: Any, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """The task's own ``eval_sums``, else its loss times the batch size (and the batch size)."""
+    if callable(getattr(task, "eval_sums", None)):
+        return task.eval_sums(model, batch)
+    size = batch_size(batch)
+    return {"loss_sum": task.loss(model, batch).detach() * size, "count": torch.tensor(size)}
+
+
+def summarize(task: Any, sums: dict[str, float]) -> dict[str, float]:
+    """The task's own ``summarize``, else the mean loss over the samples."""
+    if callable(getattr(task, "summarize", None)):
+        return task.summarize(sums)
+    return {"loss": sums["loss_sum"] / max(sums["count"], 1)}
 
 
 def _field(output: Any, name: str) -> Any:
