@@ -73,14 +73,17 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 def train_step(model: nn.Module, task: Any, batch: Any, optimizer: torch.optim.Optimizer, scaler,
                grad_clip: float | None, horovod: bool, accumulate: int = 1) -> torch.Tensor:
     """One optimizer step on this rank's ``batch``, in ``accumulate`` micro-batches of equal size. Each micro-batch's
-    loss counts 1/accumulate, so the step equals one pass over the whole batch; gradients cross the ranks once, in
-    the last micro-batch's backward pass. Returns the batch's loss (detached)."""
+    loss counts by its share of the batch (``tasks.loss_weight``: samples, or the tokens that count), so the step
+    equals one pass over the whole batch; gradients cross the ranks once, in the last micro-batch's backward pass.
+    Returns the batch's loss (detached)."""
     optimizer.zero_grad()  # set_to_none by default; Horovod's wrapper takes no arguments
     total = torch.zeros((), device=next(tasks.tensors(batch)).device)
     micro_batches = tasks.split(batch, accumulate)
-    for index, micro in enumerate(micro_batches):
+    weights = [tasks.loss_weight(task, micro) for micro in micro_batches] if accumulate > 1 else [1]
+    whole = max(sum(weights), 1)
+    for index, (micro, weight) in enumerate(zip(micro_batches, weights)):
         with gradient_sync(model, enabled=index == len(micro_batches) - 1):
-            loss = task.loss(model, micro) / accumulate
+            loss = task.loss(model, micro) * (weight / whole)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach().float()
     optimizer_step(model, optimizer, scaler, grad_clip, horovod)

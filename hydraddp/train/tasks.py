@@ -8,6 +8,8 @@ A task is any object with a ``loss`` method, and optionally the two evaluation m
     summarize(sums: dict[str, float]) -> dict[str, float]   # the sums of every rank's eval shard -> metrics
 
 Without ``eval_sums``/``summarize``, evaluation reports ``loss``: the batches' losses weighted by their sizes.
+A task whose loss is a mean over something other than samples (tokens that count) may say how many a batch holds,
+``loss_weight(batch) -> int``, so that accumulated micro-batches add up to the mean over the whole batch.
 
 ``batch`` is already on the device (``to_device``: tensors inside tuples, lists, dicts and dataclasses move).
 Evaluation adds every rank's ``eval_sums`` in one all-reduce, then ``summarize`` turns them into metrics;
@@ -119,6 +121,13 @@ def eval_sums(task: Any, model: nn.Module, batch: Any) -> dict[str, torch.Tensor
     return {"loss_sum": task.loss(model, batch).detach() * size, "count": torch.tensor(size)}
 
 
+def loss_weight(task: Any, batch: Any) -> int:
+    """What the task's mean loss of ``batch`` averages over: the task's own ``loss_weight``, else the samples."""
+    if callable(getattr(task, "loss_weight", None)):
+        return int(task.loss_weight(batch))
+    return batch_size(batch)
+
+
 def summarize(task: Any, sums: dict[str, float]) -> dict[str, float]:
     """The task's own ``summarize``, else the mean loss over the samples."""
     if callable(getattr(task, "summarize", None)):
@@ -215,6 +224,17 @@ class CausalLM:
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         total, count = self._losses(model, batch)
         return total / count.clamp(min=1)
+
+    def loss_weight(self, batch: Any) -> int:
+        """The tokens that count: the mean loss is over them, not over the sequences."""
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+            labels = batch.get("labels", batch["input_ids"])
+            if "attention_mask" in batch and "labels" not in batch:
+                labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+            return int((labels[..., 1:] != IGNORE_INDEX).sum())
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+            return int((batch[1] != IGNORE_INDEX).sum())
+        return batch_size(batch)
 
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         total, count = self._losses(model, batch)

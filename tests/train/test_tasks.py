@@ -100,6 +100,28 @@ def test_causal_lm_shifts_dict_batches_ignores_padding_and_uses_a_models_own_los
     assert task.loss(plain, {"input_ids": ids, "attention_mask": mask}).item() == pytest.approx(masked.item(), rel=1e-6)
 
 
+def test_accumulated_micro_batches_weigh_by_the_tokens_that_count():
+    """Micro-batches with unequal numbers of counted tokens: K=2 steps to the parameters of K=1 (one mean over every
+    counted token of the batch), not to the mean of the two micro-batches' means."""
+    from hydraddp.train.step import train_step
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (4, 6))
+    labels = ids.clone()
+    labels[:2, :5] = -100  # the first micro-batch counts 2 tokens, the second 10
+    batch = {"input_ids": ids, "labels": labels}
+    params = {}
+    for accumulate in (1, 2):
+        torch.manual_seed(1)
+        model = TinyLM()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        train_step(model, tasks.CausalLM(), batch, optimizer, None, None, False, accumulate)
+        params[accumulate] = [p.detach().clone() for p in model.parameters()]
+    for one, two in zip(params[1], params[2]):
+        assert (one - two).abs().max().item() < 1e-6
+    assert tasks.CausalLM().loss_weight(tasks.split(batch, 2)[0]) == 2
+
+
 def test_causal_lm_on_tuple_batches_takes_targets_as_already_shifted():
     torch.manual_seed(0)
     model, inputs, targets = TinyLM(), torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5))
