@@ -54,7 +54,7 @@ def main() -> int:
     import torch
 
     from hydraddp.models.gpt import GPT
-    from hydraddp.train.loop import PEAK_FLOPS
+    from hydraddp.train.metrics import PEAK_FLOPS
 
     if not torch.cuda.is_available():
         sys.exit("gpu_bench.py: no CUDA device; run it on a GPU machine (tests/gpu/run.sh does)")

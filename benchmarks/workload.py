@@ -16,7 +16,7 @@ from pathlib import Path
 HIDDEN = (1024, 1024, 1024, 1024)
 BATCH_PER_RANK = 64
 LR, WEIGHT_DECAY, GRAD_CLIP, SEED = 0.003, 0.01, 1.0, 0
-WARMUP_STEPS = 10  # as hydraddp.train.loop.WARMUP_STEPS
+WARMUP_STEPS = 10  # as hydraddp.train.metrics.WARMUP_STEPS
 
 # The GPU benchmark's GPT (about 150M parameters) on generated text, bf16.
 GPT_SHAPE = {"dim": 1024, "depth": 12, "heads": 16, "seq_len": 512, "batch_per_gpu": 16, "num_chars": 4_000_000}

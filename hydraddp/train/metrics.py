@@ -1,0 +1,114 @@
+"""What the loop measures and reports: throughput, the logged losses (averaged over the ranks in few collectives),
+MFU and peak memory."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+import hydraddp.distributed as idist
+from hydraddp.tracking import names
+from hydraddp.tracking.events import EventWriter
+
+log = logging.getLogger("hydraddp.train.loop")  # the loop's lines, under the name users filter on
+
+# Steady-state throughput leaves out the first steps: they allocate, create the optimizer state and warm caches.
+WARMUP_STEPS = 10
+# Logged losses are averaged over the ranks in one all_reduce per this many steps at most.
+SYNC_STEPS = 10
+# Dense bf16 peak FLOP/s per device, for MFU; devices not listed report none rather than a guess.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA's max_memory_allocated on GPU; the process's peak RSS on CPU (ru_maxrss is in KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Throughput:
+    """Samples per second: over each logging window, and at steady state (after the warm-up steps, with
+    evaluation time left out)."""
+
+    def __init__(self, start_step: int, last_step: int):
+        self.warmup_end = start_step + min(WARMUP_STEPS, max(last_step - start_step - 1, 0))
+        self.window_start, self.window_steps, self.window_samples = time.perf_counter(), 0, 0
+        self.steady_start: float | None = None
+        self.steady_samples, self.paused_s = 0, 0.0
+
+    def count(self, step: int, samples: int) -> None:
+        """One step of ``samples`` (over every rank)."""
+        self.window_steps += 1
+        self.window_samples += samples
+        if self.steady_start is not None:
+            self.steady_samples += samples
+        if step == self.warmup_end:
+            self.steady_start = time.perf_counter()
+
+    def window(self) -> tuple[float, float]:
+        """(samples/s, seconds per step) since the last call; starts the next window."""
+        elapsed = time.perf_counter() - self.window_start
+        rates = self.window_samples / elapsed, elapsed / max(self.window_steps, 1)
+        self.window_start, self.window_steps, self.window_samples = time.perf_counter(), 0, 0
+        return rates
+
+    def leave_out(self, seconds: float) -> None:
+        """Time spent on something else (evaluation), not counted at steady state."""
+        if self.steady_start is not None:
+            self.paused_s += seconds
+
+    def steady(self) -> float:
+        if self.steady_start is None or not self.steady_samples:
+            return 0.0
+        return self.steady_samples / (time.perf_counter() - self.steady_start - self.paused_s)
+
+
+@dataclass
+class _Logged:
+    """A logged step whose loss is not averaged over the ranks yet."""
+
+    step: int
+    loss: torch.Tensor  # this rank's, shape (1,)
+    perf: dict[str, float]
+    at: float  # time.time() of the step, for the metrics' timestamps
+
+
+class StepLog:
+    """Logged steps wait here for their loss to be averaged over the ranks: one all_reduce per ``SYNC_STEPS`` steps at
+    most, so logging every step costs no synchronization at every step. Then each goes to the console, to ``events``
+    (the rank that writes the MLflow events) and to the progress bar."""
+
+    def __init__(self, log_every: int, events: EventWriter | None, progress):
+        self.sync_every = log_every * max(1, round(SYNC_STEPS / log_every))
+        self.events, self.progress = events, progress
+        self.pending: list[_Logged] = []
+        self.losses: dict[int, float] = {}  # logged step -> loss averaged over the ranks
+
+    def add(self, step: int, loss: torch.Tensor, perf: dict[str, float]) -> None:
+        self.pending.append(_Logged(step, loss.detach().float().reshape(1), perf, time.time()))
+
+    def flush(self, step: int, last_step: int) -> None:
+        if not self.pending or (step % self.sync_every and step != last_step):
+            return
+        means = idist.all_reduce(torch.cat([entry.loss for entry in self.pending]), "AVERAGE").tolist()
+        for entry, mean_loss in zip(self.pending, means):
+            self.losses[entry.step] = mean_loss
+            if self.events is not None:
+                self.events.metrics({names.LOSS: mean_loss, **entry.perf}, entry.step, at=entry.at)
+            log.info("step %d loss %.4f %.0f samples/s", entry.step, mean_loss, entry.perf[names.SAMPLES_PER_S])
+        if self.progress is not None:
+            last = self.pending[-1].perf[names.SAMPLES_PER_S]
+            self.progress.set_postfix(loss=f"{means[-1]:.4f}", samples_per_s=f"{last:.0f}")
+        self.pending = []

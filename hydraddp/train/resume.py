@@ -1,0 +1,74 @@
+"""The loop's checkpoint hooks: where a launch's checkpoints go, which one it resumes from, and when it saves."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hydraddp.tracking import names
+from hydraddp.train import checkpoint
+
+log = logging.getLogger("hydraddp.train.loop")
+
+
+def checkpoint_root(cfg: DictConfig, job_dir: Path | None) -> Path | None:
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return Path(job_dir, "checkpoints") if job_dir is not None else None
+
+
+def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler) -> checkpoint.Resumed | None:
+    """Load the checkpoint to continue from: ``checkpoint.resume``, or after an elastic restart the latest one."""
+    path = cfg.checkpoint.resume
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    root = checkpoint_root(cfg, job_dir)
+    if restart and root is not None and checkpoint.complete_checkpoints(root):
+        path = str(checkpoint.complete_checkpoints(root)[-1])  # this launch's own latest: go on from there
+        log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart)
+    if not path:
+        return None
+    resumed = checkpoint.load(Path(path), model, optimizer)
+    if scheduler is not None and resumed.meta.get("scheduler"):
+        scheduler.load_state_dict(resumed.meta["scheduler"])
+    if scaler is not None and resumed.meta.get("scaler"):
+        scaler.load_state_dict(resumed.meta["scaler"])
+    return resumed
+
+
+def needs_shared_root(cfg: DictConfig) -> bool:
+    """Whether this launch reads or writes checkpoints (on several nodes: into a root every node must see)."""
+    ckpt = cfg.checkpoint
+    return bool(ckpt.every_n_steps or ckpt.save_last or ckpt.resume or cfg.trainer.stop_at_step)
+
+
+class Saver:
+    """Periodic, early-stop and final checkpoints, as ``cfg.checkpoint`` says."""
+
+    def __init__(self, cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler,
+                 saved_config: dict[str, Any]):
+        self.cfg, self.job_dir, self.saved_config = cfg, job_dir, saved_config
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.root = checkpoint_root(cfg, job_dir)
+
+    def after(self, step: int, last_step: int) -> None:
+        every, ckpt = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint
+        periodic = every and step % every == 0
+        final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
+        if self.root is None or not (periodic or final):
+            return
+        run_id_file = Path(self.job_dir, names.RUN_ID_FILE) if self.job_dir else None
+        meta = {
+            "config": self.saved_config,
+            "run_id": run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None,
+            # The tracker may create the run after this save (it yields the CPU to training): a resume
+            # then reads the run id from the job directory.
+            "job_dir": str(self.job_dir) if self.job_dir else None,
+            "wrap": getattr(getattr(self.model, "_hydraddp_wrap", None), "wrap", None),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+        checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=ckpt.keep_last)
