@@ -37,7 +37,7 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, ``depth`` blocks, a final norm and an untied head; returns logits."""
+    """Token + position embeddings, ``depth`` blocks, a final norm and an untied, bias-free head; returns logits."""
 
     fsdp_block_classes = ("GPTBlock",)
 
@@ -49,7 +49,10 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(seq_len, dim)
         self.blocks = nn.ModuleList(GPTBlock(dim, heads, mlp_ratio, dropout) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab_size)
+        # No bias, as GPT-2's and Llama's heads: and so the logits are not a view. On a 3-D input, a Linear with a bias
+        # returns a view of its 2-D addmm, and an FSDP2 root that returns a view warns that an in-place op on it
+        # would skip the all-gather (without the bias, matmul's result is a tensor of its own).
+        self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

@@ -13,7 +13,7 @@ def test_no_decay_groups_hold_exactly_the_biases_and_norm_weights_under_every_wr
     for rank in (0, 1):
         for wrap, groups in out[rank].items():
             assert groups["exempt"] == groups["expected"], wrap
-            assert any(name.endswith("norm1.weight") for name in groups["exempt"]) and "head.bias" in groups["exempt"]
+            assert any(name.endswith("norm1.weight") for name in groups["exempt"]) and "blocks.0.mlp.0.bias" in groups["exempt"]
             assert groups["decayed"] + len(groups["exempt"]) == groups["total"], wrap
             assert groups["decays"] == [0.1, 0.0], wrap
 

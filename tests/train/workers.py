@@ -228,3 +228,21 @@ def train_configs(local_rank: int, cases: dict[str, list[str]]) -> dict:
         result = train(compose(overrides))
         out[name] = {"losses": result.losses, "units": result.reports[0]["units"], "eval": result.eval_metrics}
     return out
+
+
+def fsdp2_gpt_warnings(local_rank: int) -> list[str]:
+    """The warnings of one fp32 FSDP2 training step of the GPT (one unit per block, the root around them)."""
+    import warnings
+
+    from hydraddp.models.gpt import GPT
+    from hydraddp.train.step import train_step
+    from hydraddp.train.tasks import CausalLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = idist.auto_model(GPT(depth=2, dim=32, heads=2, seq_len=16), wrap="fsdp2")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = (torch.randint(0, 128, (4, 16)), torch.randint(0, 128, (4, 16)))
+        train_step(model, CausalLM(), batch, optimizer, None, None, False)
+    return [str(w.message) for w in caught]
