@@ -23,7 +23,8 @@ from hydraddp.config.overrides import normalize_overrides
 from hydraddp.distributed.env import detect_launch_env, slurm_allocation_outside_step
 from hydraddp.tracking import names
 
-EXIT_OK, EXIT_WORKER_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_WORKER_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+OUTCOME_FILE = "outcome.json"  # in a sweep job's directory: what the job's launch ended with, for the summary
 RESULT_FILE = "result.json"  # in the job directory: rank 0's TrainResult
 _state: dict[str, Any] = {"task_started": False, "started_at": None}
 
@@ -34,8 +35,12 @@ def prepare_argv(argv: list[str]) -> list[str]:
     - ``--local_rank=N`` / ``--local-rank=N`` (torch.distributed.launch) is dropped: the rank is in the env.
     - Ranks other than 0 under torchrun/SLURM write no job directory of their own; they adopt rank 0's.
     - ``experiment=NAME`` is spelled as Hydra needs it (see ``normalize_overrides``).
+    - A submitit launcher runs one launch as a sweep of one job (``hydraddp.clusters.submitit.prepare_argv``).
     """
+    from hydraddp.clusters import submitit as submitit_launch
+
     argv = normalize_overrides([a for a in argv if not re.fullmatch(r"--local[_-]rank(=\d+)?", a)])
+    argv = submitit_launch.prepare_argv(argv)
     launch = detect_launch_env()
     if launch is not None and launch.rank != 0:
         argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
@@ -97,6 +102,17 @@ def _launch_job_dir(job_dir: Path) -> tuple[Path, bool]:
     return Path(agreed), True
 
 
+def _resume_after_preemption(cfg: DictConfig, job_dir: Path) -> int:
+    """A launch in the job directory of a preempted one (a requeued job, or a rerun with ``hydra.run.dir``) goes on
+    from its checkpoint. Returns how many preemptions the job has had (0: none)."""
+    from hydraddp.train.preemption import read_marker
+
+    entries = [e for e in read_marker(job_dir) if e.get("checkpoint")]
+    if entries and not cfg.checkpoint.resume:
+        cfg.checkpoint.resume = entries[-1]["checkpoint"]
+    return len(entries)
+
+
 def _tracks_here(cfg: DictConfig) -> bool:
     """The launch's one MLflow run lives in rank 0's process under torchrun, else in node 0's launcher."""
     launch = detect_launch_env()
@@ -109,7 +125,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydraddp.config.validate import combination_of, problems
     from hydraddp.distributed.compat import Problem, resolve_wrap
 
+    from hydraddp.clusters import submitit as submitit_task
+
     _state["task_started"] = True
+    if submitit_task.in_task():
+        submitit_task.attach()  # this task is one rank of the job's world: before anything asks who it is
     # perf/startup_s counts from the command for the first job, from the job's own start in a sweep.
     started_at, _state["started_at"] = _state["started_at"] or time.time(), None
     os.environ[names.LAUNCHED_AT_ENV] = repr(started_at)
@@ -120,6 +140,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     outcome: dict[str, Any] = {"job_dir": str(job_dir), "overrides": overrides}
 
     found = problems(cfg)
+    requeues = _resume_after_preemption(cfg, job_dir) if not found else 0
     resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found else ([], None)
     found += resume_problems
     tracks = _tracks_here(cfg)
@@ -134,7 +155,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         _report_problems(found, job_dir)
         if not sweeping:
             sys.exit(EXIT_INVALID)
-        return {**outcome, "status": "invalid", "error": str(found[0])}
+        return _ended(job_dir, {**outcome, "status": "invalid", "error": str(found[0])}, sweeping)
 
     slurm_job = slurm_allocation_outside_step()
     if slurm_job is not None:
@@ -153,7 +174,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         combo = combination_of(cfg)
         tracker = launch_run(cfg, plain, job_dir, overrides, resolve_wrap(combo), combo.world_size, resumed_from,
-                             restarted)
+                             restarted, {names.TAG_REQUEUES: str(requeues)} if requeues else None)
         tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
     from hydraddp.distributed import ConfigurationError, WorkerFailedError  # torch: after the tracker started
 
@@ -171,24 +192,77 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             print(failure_block(exc, job_dir / "logs" / f"rank{exc.rank}.log"), file=sys.stderr)
         if not sweeping:
             sys.exit(EXIT_INVALID if invalid else EXIT_WORKER_FAILED)
-        return {**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
-                "run_id": tracker.run_id if tracker else None}
+        return _ended(job_dir, {**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
+                                "run_id": tracker.run_id if tracker else None}, sweeping)
     except BaseException as exc:
+        preempted = _preemption_since(job_dir, requeues)
+        if preempted is not None:
+            # torch's agent got the signal too: it passed it on, waited for the workers' checkpoint, then raised
+            return _stop_preempted(preempted, tracker, cfg, outcome, sweeping, rank=0)
         if tracker:
             tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc),
                            timeout_s=cfg.tracking.flush_timeout_s)
         raise
+    if result.get("preempted"):
+        return _stop_preempted(result["preempted"], tracker, cfg, outcome, sweeping, rank)
     if tracker:
         tracker.finish(FINISHED, timeout_s=cfg.tracking.flush_timeout_s)
         result["run_id"] = tracker.run_id
     if rank == 0:  # under torchrun every rank gets here; one report is enough
+        from hydraddp.train.preemption import retire_marker
+
+        retire_marker(job_dir)  # a rerun in this directory starts afresh
         (job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
         run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""
         evaluated = ", ".join(f"eval {name} {value:.3f}" for name, value in result["eval_metrics"].items())
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
               f"{result['final_loss']:.4f}, {evaluated}, "
               f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}.{run}", flush=True)
-    return {**outcome, "status": "ok", **result}
+    return _ended(job_dir, {**outcome, "status": "ok", **result}, sweeping)
+
+
+def _ended(job_dir: Path, outcome: dict[str, Any], sweeping: bool) -> dict[str, Any]:
+    """A sweep job's outcome, kept in its job directory too: a launcher that runs the jobs elsewhere (submitit)
+    gives the sweep's summary nothing else to read. (An invalid job's directory is gone: nothing is left there.)"""
+    launch = detect_launch_env()
+    if sweeping and (launch is None or launch.rank == 0) and job_dir.is_dir():
+        (job_dir / OUTCOME_FILE).write_text(json.dumps(outcome, indent=1, default=str))
+    return outcome
+
+
+def _preemption_since(job_dir: Path, requeues: int) -> dict[str, Any] | None:
+    """The preemption this launch's workers recorded, if they did (the marker has an entry more than at start)."""
+    from hydraddp.train.preemption import read_marker
+
+    entries = [e for e in read_marker(job_dir) if e.get("checkpoint")]
+    return entries[-1] if len(entries) > requeues else None
+
+
+def _stop_preempted(preempted: dict[str, Any], tracker: Any, cfg: DictConfig, outcome: dict[str, Any],
+                    sweeping: bool, rank: int) -> dict[str, Any]:
+    """Every rank checkpointed the same step after a stop signal: the run is marked so (KILLED, with the
+    ``hydraddp.preempted`` tag), then submitit requeues the job, or the launch exits with ``EXIT_PREEMPTED``."""
+    from hydraddp.clusters import submitit as submitit_task
+
+    if tracker:
+        from hydraddp.tracking.events import EventWriter
+        from hydraddp.tracking.run import KILLED
+
+        writer = EventWriter(tracker.events_path)
+        writer.tag(names.TAG_PREEMPTED, json.dumps(preempted))
+        writer.close()
+        tracker.finish(KILLED, error=f"preempted by {preempted['signal']} after step {preempted['step']}",
+                       timeout_s=cfg.tracking.flush_timeout_s)
+    if submitit_task.in_task():
+        submitit_task.requeue(rank, EXIT_PREEMPTED)
+    if rank == 0:
+        print(f"hydraddp: stopped by {preempted['signal']} after step {preempted['step']}: every rank wrote checkpoint "
+              f"{preempted['checkpoint']}. Resume with the same command and hydra.run.dir={outcome['job_dir']} "
+              f"(or checkpoint.resume={preempted['checkpoint']}).", file=sys.stderr, flush=True)
+    if not sweeping:
+        sys.exit(EXIT_PREEMPTED)
+    return _ended(Path(outcome["job_dir"]), {**outcome, "status": "preempted",
+                                             "error": f"preempted at step {preempted['step']}"}, sweeping)
 
 
 LAST_FRAMES = 3

@@ -28,15 +28,84 @@ def summary_table(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _submitit(config: DictConfig) -> bool:
+    return "hydra_submitit_launcher" in str(config.hydra.launcher.get("_target_", ""))
+
+
+def _single_job() -> bool:
+    from hydraddp.clusters.submitit import SINGLE_JOB_ENV
+
+    return os.environ.get(SINGLE_JOB_ENV) == "1"
+
+
+def _before_submission_problems(config: DictConfig) -> list:
+    """What must be refused before any job is submitted: a tracking file that jobs on other machines cannot write,
+    and, for one launch through submitit, everything a local launch would refuse."""
+    from hydraddp.clusters.submitit import REMOTE_LAUNCHERS
+    from hydraddp.distributed.compat import Problem
+
+    found = []
+    uri = str(config.tracking.uri or "")
+    remote = "SlurmLauncher" in str(config.hydra.launcher.get("_target_", ""))
+    if remote and config.tracking.enabled and not uri.startswith(("http://", "https://", "databricks")):
+        found.append(Problem(("tracking.uri",), f"tracking.uri={uri or '(default: ./mlflow.db)'} is a file on this "
+                             f"machine, and hydra/launcher ({'/'.join(REMOTE_LAUNCHERS)}) runs the jobs on others.",
+                             "Point every job at one MLflow server: tracking.uri=http://HOST:PORT, or set "
+                             "tracking.enabled=false."))
+    if _single_job():
+        from hydraddp.config.validate import problems
+
+        found += problems(config)
+    return found
+
+
+def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The outcome each job of a sweep left in its directory (cli.OUTCOME_FILE), in job order."""
+    import json
+
+    from hydraddp.cli import OUTCOME_FILE
+
+    files = sorted(sweep_dir.glob(f"*/{OUTCOME_FILE}"), key=lambda f: int(f.parent.name) if f.parent.name.isdigit()
+                   else 0)
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _report_single(outcome: dict[str, Any] | None) -> None:
+    """One launch through submitit: say how it ended, with the contract's exit code."""
+    from hydraddp.cli import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED
+
+    if outcome is None:
+        print("hydraddp: the submitit job left no outcome (see its log under .submitit/)", file=sys.stderr)
+        sys.exit(EXIT_WORKER_FAILED)
+    if outcome.get("status") == "ok":
+        run = f" MLflow run {outcome['run_id']}." if outcome.get("run_id") else ""
+        print(f"hydraddp: done (submitit job). {outcome['steps']} steps at world size {outcome['world_size']}: loss "
+              f"{outcome['final_loss']:.4f}. Job directory: {outcome['job_dir']}.{run}", flush=True)
+        return
+    print(f"hydraddp: the submitit job ended {outcome.get('status')}: {outcome.get('error', '')}", file=sys.stderr)
+    sys.exit({"invalid": EXIT_INVALID, "preempted": EXIT_PREEMPTED}.get(outcome.get("status"), EXIT_WORKER_FAILED))
+
+
 class SweepSummary(Callback):
-    """Prints the table, and keeps the sweep's MLflow parent run (its jobs' runs become its children)."""
+    """Prints the table, and keeps the sweep's MLflow parent run (its jobs' runs become its children). Through a
+    submitit launcher, it also refuses what cannot work before anything is submitted, and reports one launch
+    (no ``-m``) as a single launch."""
 
     def __init__(self) -> None:
         self.outcomes: list[dict[str, Any]] = []
         self.parent: Any = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if not config.tracking.enabled:
+        if _submitit(config):
+            found = _before_submission_problems(config)
+            if found:
+                from hydraddp.cli import EXIT_INVALID
+
+                print("hydraddp: invalid configuration; nothing was submitted:", file=sys.stderr)
+                for problem in found:
+                    print(f"- {problem}", file=sys.stderr)
+                sys.exit(EXIT_INVALID)
+        if not config.tracking.enabled or _single_job():
             return
         from hydraddp.tracking.run import SweepRun, preflight
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
@@ -60,6 +129,11 @@ class SweepSummary(Callback):
                                   "overrides": list(job_return.overrides or [])})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.outcomes:  # the jobs ran elsewhere (submitit): their outcomes are files
+            self.outcomes = _read_outcomes(Path(config.hydra.sweep.dir))
+        if _single_job():
+            _report_single(self.outcomes[0] if self.outcomes else None)
+            return
         failed = any(out.get("status") != "ok" for out in self.outcomes)
         if self.parent is not None:
             from hydraddp.tracking.run import FAILED, FINISHED

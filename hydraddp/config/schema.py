@@ -8,7 +8,7 @@ so a misspelled key or a value of the wrong type fails at compose time, before a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -94,6 +94,8 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: Optional[str] = None
     save_last: bool = False
+    # Signals that stop the job after a checkpoint every rank writes at the same step (exit 3; submitit requeues)
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
 
 
 @dataclass

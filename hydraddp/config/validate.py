@@ -73,6 +73,11 @@ def combination_of(cfg: DictConfig) -> Combination:
 def problems(cfg: DictConfig) -> list[Problem]:
     """Every problem of the composed ``cfg``, each naming its config keys and the fix."""
     found = check_compatibility(combination_of(cfg)) + range_problems(cfg)
+    try:
+        signal_numbers(list(cfg.checkpoint.preempt_signals))
+    except ValueError as exc:
+        found.append(Problem(("checkpoint.preempt_signals",), f"checkpoint.preempt_signals: {exc}.",
+                             "Name signals as Python's signal module does (SIGTERM, SIGUSR2), or set [] for none."))
     scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
     if scaler_keys and cfg.precision.name != "fp16":
         found.append(Problem(
@@ -125,6 +130,20 @@ MINIMUMS = {
     "precision.growth_interval": 1,
 }
 POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale")
+
+
+def signal_numbers(names: list[str]) -> list[int]:
+    """``["SIGTERM", "USR2"]`` -> signal numbers; an unknown name raises ValueError naming it."""
+    import signal
+
+    numbers = []
+    for name in names:
+        full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+        number = getattr(signal, full, None)
+        if not isinstance(number, signal.Signals):
+            raise ValueError(f"{name!r} is not a signal name")
+        numbers.append(int(number))
+    return numbers
 
 
 def range_problems(cfg: DictConfig) -> list[Problem]:

@@ -14,6 +14,8 @@ CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SI
 # contract tags the run had until then (the tags themselves always say what the run runs with now).
 TAG_RESUMED_FROM = "hydraddp.resumed_from"
 TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes of the model and the task
+TAG_PREEMPTED = "hydraddp.preempted"  # JSON: the step, checkpoint and signal of the latest preemption
+TAG_REQUEUES = "hydraddp.requeued"  # how many preemptions this run was resumed from (submitit requeues, reruns)
 TAG_MODEL_CLASS = "hydraddp.model_class"  # the class the model's _target_ built (a factory's product), from rank 0
 TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
 TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error

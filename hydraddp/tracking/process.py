@@ -98,7 +98,10 @@ def _yield_cpu() -> None:
 def main() -> int:
     import fcntl
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher reports an interrupt as KILLED
+    # The launcher reports an interrupt as KILLED and a preemption as such: a signal sent to the whole process group
+    # (Ctrl-C, Slurm's SIGTERM) must not stop the sender before it has flushed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     settings = json.loads(sys.stdin.readline())["settings"]
     # One sender per job directory: after a restart under torchrun, the previous attempt's tracker may still
     # be flushing the same events file; this one waits for it (the kernel drops the lock when it exits).

@@ -21,7 +21,7 @@ def tracking_uri(cfg: DictConfig) -> str:
 
 def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrides: list[str],
                realized_wrap: str, world_size: int, resumed_from: dict[str, Any] | None = None,
-               restarted: bool = False) -> TrackerProcess:
+               restarted: bool = False, extra_tags: dict[str, str] | None = None) -> TrackerProcess:
     """The launch's run (its tracker process; ``start`` it). Every ``${oc.env:...}`` value and every password/token/secret-looking key is masked
     in the params, the config artifact, the overrides and the user's tags."""
     secrets = names.secret_paths(OmegaConf.to_container(cfg, resolve=False))
@@ -36,6 +36,7 @@ def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrid
         # What was trained, by class: a sweep over users' models and tasks stays readable in the UI.
         names.TAG_MODEL: str(resolved["model"].get("_target_", "?")),
         names.TAG_TASK: str(resolved["task"].get("_target_", "?")),
+        **(extra_tags or {}),
     }
     parent = os.environ.get(PARENT_RUN_ENV)
     if parent:

@@ -24,7 +24,7 @@ from hydraddp.build import instantiate_model, wrap_model
 from hydraddp.config.instantiate import instantiate
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data, resume, tasks
+from hydraddp.train import checkpoint, data, preemption, resume, tasks
 from hydraddp.train.logs import ConsoleHandler
 from hydraddp.train.metrics import StepLog, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
@@ -48,6 +48,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # logged step -> loss averaged over ranks
     reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's WrapReport after step 1
     peak_memory_bytes: list[int] = field(default_factory=list)  # per rank (see peak_memory_bytes)
+    preempted: dict[str, Any] | None = None  # a signal stopped training: step, checkpoint, signal
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +170,17 @@ def _perf(throughput: Throughput, result: TrainResult, batch: Any, flops_per_tok
     return perf
 
 
+def _preempted(saver: resume.Saver, step: int, stop: preemption.Preemption, job_dir: Path | None) -> dict[str, Any]:
+    """Every rank checkpoints ``step`` together; rank 0 records the preemption in the job directory."""
+    path = saver.save(step)
+    entry = {"step": step, "checkpoint": str(path) if path else None,
+             "signal": preemption.signal_name(stop.received) if stop.received else "another rank's"}
+    if idist.get_rank() == 0 and job_dir is not None and path is not None:
+        preemption.write_marker(job_dir, entry)
+    log.warning("stopped after step %d by %s; checkpoint %s", step, entry["signal"], path)
+    return entry
+
+
 def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | None = None,
           saved_config: dict[str, Any] | None = None) -> TrainResult:
     """Train ``cfg`` on this rank; every rank calls it. Returns the same result on every rank.
@@ -197,29 +209,38 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
              last_step, trainer.max_steps, realized, cfg.precision.name, type(task).__name__, device, world)
     saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
-    for step in range(start_step + 1, last_step + 1):
-        batch = tasks.to_device(next(batches), device)
-        loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, horovod,
-                          trainer.accumulate_grad_batches)
-        if parts.scheduler is not None:
-            parts.scheduler.step()
-        throughput.count(step, tasks.batch_size(batch) * world)
-        if step == start_step + 1:
-            _after_first_step(parts, result, step, job_dir, events)
-        if step % trainer.log_every == 0 or step == last_step:
-            step_log.add(step, loss, _perf(throughput, result, batch, parts.flops_per_token, device_flops, world))
-        step_log.flush(step, last_step)
-        if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step:
-            eval_began = time.perf_counter()
-            metrics = evaluate(model, parts.eval_loader, device, task).metrics
-            throughput.leave_out(time.perf_counter() - eval_began)
-            log.info("step %d eval %s", step, _shown(metrics))
-            if events is not None:
-                events.metrics(names.eval_metrics(metrics), step)
-        saver.after(step, last_step)
-        if progress is not None:
-            progress.update(1)
+    with preemption.Preemption(list(cfg.checkpoint.preempt_signals)) as stop:
+        for step in range(start_step + 1, last_step + 1):
+            batch = tasks.to_device(next(batches), device)
+            loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, horovod,
+                              trainer.accumulate_grad_batches)
+            if parts.scheduler is not None:
+                parts.scheduler.step()
+            throughput.count(step, tasks.batch_size(batch) * world)
+            if step == start_step + 1:
+                _after_first_step(parts, result, step, job_dir, events)
+            stopping = stop.agreed()  # every rank the same answer, at the same step
+            if step % trainer.log_every == 0 or step == last_step or stopping:
+                step_log.add(step, loss, _perf(throughput, result, batch, parts.flops_per_token, device_flops, world))
+            step_log.flush(step, step if stopping else last_step)
+            if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step and not stopping:
+                eval_began = time.perf_counter()
+                metrics = evaluate(model, parts.eval_loader, device, task).metrics
+                throughput.leave_out(time.perf_counter() - eval_began)
+                log.info("step %d eval %s", step, _shown(metrics))
+                if events is not None:
+                    events.metrics(names.eval_metrics(metrics), step)
+            saver.after(step, last_step)
+            if progress is not None:
+                progress.update(1)
+            if stopping:
+                result.preempted = _preempted(saver, step, stop, job_dir)
+                break
     _close_progress(progress)
+    if result.preempted is not None:  # the job is about to be killed: no final evaluation
+        result.losses, result.steps = step_log.losses, result.preempted["step"]
+        result.final_loss = result.losses.get(result.steps, float("nan"))
+        return result
     result.steady_samples_per_s = throughput.steady()
     result.losses = step_log.losses
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))

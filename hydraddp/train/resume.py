@@ -53,13 +53,21 @@ class Saver:
         self.cfg, self.job_dir, self.saved_config = cfg, job_dir, saved_config
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = checkpoint_root(cfg, job_dir)
+        self.last_saved: tuple[int, Path] | None = None
 
     def after(self, step: int, last_step: int) -> None:
         every, ckpt = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint
         periodic = every and step % every == 0
         final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
-        if self.root is None or not (periodic or final):
-            return
+        if self.root is not None and (periodic or final):
+            self.save(step)
+
+    def save(self, step: int) -> Path | None:
+        """Checkpoint ``step`` now (a collective), unless it is written already; its path (None without a root)."""
+        if self.root is None:
+            return None
+        if self.last_saved is not None and self.last_saved[0] == step:
+            return self.last_saved[1]
         run_id_file = Path(self.job_dir, names.RUN_ID_FILE) if self.job_dir else None
         meta = {
             "config": self.saved_config,
@@ -71,4 +79,6 @@ class Saver:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
-        checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=ckpt.keep_last)
+        path = checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=self.cfg.checkpoint.keep_last)
+        self.last_saved = (step, path)
+        return path

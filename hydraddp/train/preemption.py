@@ -1,0 +1,103 @@
+"""Preemption: a signal (SIGTERM, SIGUSR2, ...) asks the job to stop; every rank stops at the same step, together.
+
+A handler only records the signal. At each step's end the ranks agree on whether any of them got one, through an
+all-reduce started at the end of one step and read at the end of the next (it overlaps the step, so it costs no
+wait): every rank then stops after the same step, at most one step after the first signal arrived, writes the
+checkpoint of that step with the others and returns. What happens next is the launcher's: exit with
+``EXIT_PREEMPTED``, or under submitit, requeue (``hydraddp.clusters.submitit``).
+
+Slurm signals a job before it kills it (submitit asks for USR2: NCCL may use USR1); torch's elastic agent passes
+SIGTERM on to its workers and gives them 30 s before it kills them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import hydraddp.distributed as idist
+from hydraddp.config.validate import signal_numbers
+
+log = logging.getLogger("hydraddp.train.loop")
+
+EXIT_PREEMPTED = 3  # the contract's code: stopped by a signal after a complete checkpoint; rerun to resume
+MARKER = "preempted.json"  # in the job directory: the latest preemption, which the next launch there resumes from
+HISTORY = "preemptions.json"  # the marker, once a launch resumed from it and finished
+
+
+class Preemption:
+    """The signals that stop training on this rank, and the ranks' agreement on them. Use as a context manager around
+    the loop: the handlers are this rank's while it trains (the main thread only: Python's rule), then restored."""
+
+    def __init__(self, signals: list[str]):
+        self.signals = signal_numbers(signals)
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._pending: tuple[Any, Any] | None = None  # (the all-reduce's handle, its flag tensor)
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.signals:
+                self._previous[number] = signal.signal(number, self._record)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+        if self._pending is not None and self._pending[0] is not None:
+            self._pending[0].wait()  # no collective is left half-done
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            log.warning("got %s: stopping after the ranks agree, with a checkpoint", signal.Signals(signum).name)
+
+    def previous_handler(self, signum: int) -> Any:
+        """The handler that was in place before this one (submitit's, under submitit)."""
+        return self._previous.get(signum, signal.getsignal(signum))
+
+    def agreed(self) -> bool:
+        """Call at every step's end, on every rank: True once any rank got a signal (the same step on every rank)."""
+        if idist.get_world_size() == 1:
+            return self.received is not None
+        import torch
+
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=idist.device())
+        if idist.backend() == "horovod":
+            return bool(idist.all_reduce(flag, "MAX").item())  # Horovod: no async handle through idist
+        import torch.distributed as dist
+
+        previous, self._pending = self._pending, (dist.all_reduce(flag, dist.ReduceOp.MAX, async_op=True), flag)
+        if previous is None:
+            return False
+        previous[0].wait()
+        return bool(previous[1].item())
+
+
+def signal_name(number: int) -> str:
+    return signal.Signals(number).name
+
+
+def write_marker(job_dir: Path, entry: dict[str, Any]) -> None:
+    """Record a preemption in the job directory (rank 0, after the checkpoint is complete)."""
+    path = Path(job_dir, MARKER)
+    history = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps([*history, entry], indent=1))
+
+
+def read_marker(job_dir: Path) -> list[dict[str, Any]]:
+    """Every preemption of the job in ``job_dir`` not yet followed by a finished launch, oldest first."""
+    path = Path(job_dir, MARKER)
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def retire_marker(job_dir: Path) -> None:
+    """After a resumed launch finished: the preemptions become history, and a rerun starts afresh."""
+    path = Path(job_dir, MARKER)
+    if path.exists():
+        path.replace(Path(job_dir, HISTORY))
