@@ -35,11 +35,14 @@ def prepare_argv(argv: list[str]) -> list[str]:
     - ``--local_rank=N`` / ``--local-rank=N`` (torch.distributed.launch) is dropped: the rank is in the env.
     - Ranks other than 0 under torchrun/SLURM write no job directory of their own; they adopt rank 0's.
     - ``experiment=NAME`` is spelled as Hydra needs it (see ``normalize_overrides``).
+    - In a Kubeflow PyTorchJob pod, the operator's variables are the defaults of ``launcher.*`` (``kube.pod_overrides``).
     - A submitit launcher runs one launch as a sweep of one job (``hydraddp.clusters.submitit.prepare_argv``).
     """
+    from hydraddp.clusters import kube
     from hydraddp.clusters import submitit as submitit_launch
 
     argv = normalize_overrides([a for a in argv if not re.fullmatch(r"--local[_-]rank(=\d+)?", a)])
+    argv = [*argv, *kube.pod_overrides(os.environ, argv[1:])]
     argv = submitit_launch.prepare_argv(argv)
     launch = detect_launch_env()
     if launch is not None and launch.rank != 0:
@@ -105,12 +108,12 @@ def _launch_job_dir(job_dir: Path) -> tuple[Path, bool]:
 def _resume_after_preemption(cfg: DictConfig, job_dir: Path) -> int:
     """A launch in the job directory of a preempted one (a requeued job, or a rerun with ``hydra.run.dir``) goes on
     from its checkpoint. Returns how many preemptions the job has had (0: none)."""
-    from hydraddp.train.preemption import read_marker
+    from hydraddp.train.preemption import resume_point
 
-    entries = [e for e in read_marker(job_dir) if e.get("checkpoint")]
-    if entries and not cfg.checkpoint.resume:
-        cfg.checkpoint.resume = entries[-1]["checkpoint"]
-    return len(entries)
+    checkpoint, preemptions = resume_point(job_dir)
+    if checkpoint and not cfg.checkpoint.resume:
+        cfg.checkpoint.resume = checkpoint
+    return preemptions
 
 
 def _tracks_here(cfg: DictConfig) -> bool:
@@ -122,10 +125,9 @@ def _tracks_here(cfg: DictConfig) -> bool:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Validate ``cfg`` and launch it. In a single run, exits with the contract's code; in a sweep, returns
     the job's outcome (the sweep goes on after a failed job) for the summary table."""
+    from hydraddp.clusters import submitit as submitit_task
     from hydraddp.config.validate import combination_of, problems
     from hydraddp.distributed.compat import Problem, resolve_wrap
-
-    from hydraddp.clusters import submitit as submitit_task
 
     _state["task_started"] = True
     if submitit_task.in_task():
@@ -235,7 +237,7 @@ def _preemption_since(job_dir: Path, requeues: int) -> dict[str, Any] | None:
     from hydraddp.train.preemption import read_marker
 
     entries = [e for e in read_marker(job_dir) if e.get("checkpoint")]
-    return entries[-1] if len(entries) > requeues else None
+    return entries[-1] if len(entries) > requeues else None  # one more than at the start: this launch's
 
 
 def _stop_preempted(preempted: dict[str, Any], tracker: Any, cfg: DictConfig, outcome: dict[str, Any],

@@ -28,6 +28,11 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     # Each node's launcher (or, under torchrun, each process) made its own job directory: all take one.
     decides = idist.get_rank() == 0 if attached else plain_cfg["launcher"]["node_rank"] == 0 and local_rank == 0
     job_dir = agreed_job_dir(job_dir, decides)
+    if not plain_cfg["checkpoint"]["resume"]:
+        from hydraddp.train.preemption import resume_point
+
+        # Every rank reads the agreed directory (under torchrun the others composed in "."): all resume, or none.
+        plain_cfg = {**plain_cfg, "checkpoint": {**plain_cfg["checkpoint"], "resume": resume_point(Path(job_dir))[0]}}
     setup_rank_logging(idist.get_rank(), Path(job_dir))
     log.info("rank %d pid %d", idist.get_rank(), os.getpid())
     events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None

@@ -117,14 +117,13 @@ class _Parts:
     eval_loader: Any
     resumed: checkpoint.Resumed | None
     flops_per_token: float | None  # the model's own count, taken before wrapping
+    model_class: str  # what the model's _target_ built, before any wrapper
 
 
-def _build(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None) -> _Parts:
+def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     """The model (wrapped), optimizer, scheduler, grad scaler, task and loaders of ``cfg``, with a checkpoint loaded
     into them when the launch resumes."""
     bare = instantiate_model(cfg)
-    if events is not None:
-        events.tag(names.TAG_MODEL_CLASS, f"{type(bare).__module__}.{type(bare).__qualname__}")
     flops_per_token = model_flops_per_token(bare)
     model, _ = wrap_model(cfg, bare)
     params = parameter_groups(model, cfg.optim.no_decay_norm_and_bias)
@@ -142,7 +141,8 @@ def _build(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None) ->
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
     return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
                   data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed),
-                  data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers), resumed, flops_per_token)
+                  data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers), resumed, flops_per_token,
+                  f"{type(bare).__module__}.{type(bare).__qualname__}")
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
@@ -153,7 +153,8 @@ def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Pa
     if events is not None and launched_at is not None:
         events.metrics({names.STARTUP_S: result.first_step_at - launched_at}, step)
     result.reports = [r.to_dict() for r in idist.wrap_report(parts.model, parts.optimizer).gather()]
-    if events is not None:
+    if events is not None:  # not before: a run this launch continues stays as it was until its first step
+        events.tag(names.TAG_MODEL_CLASS, parts.model_class)
         events.metrics(names.sharding_metrics(result.reports), step)
         if job_dir is not None:
             write_report(job_dir, result.reports)
@@ -193,7 +194,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         plain = OmegaConf.to_container(cfg, resolve=True)
         saved_config = names.redact(plain, names.secret_paths(plain))
     device, world, trainer = idist.device(), idist.get_world_size(), cfg.trainer
-    parts = _build(cfg, job_dir, events)
+    parts = _build(cfg, job_dir)
     model, task = parts.model, parts.task
     horovod, device_flops = idist.backend() == "horovod", peak_flops(device)
     start_step = parts.resumed.step if parts.resumed else 0

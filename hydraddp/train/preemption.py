@@ -96,6 +96,13 @@ def read_marker(job_dir: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+def resume_point(job_dir: Path) -> tuple[str | None, int]:
+    """The checkpoint a launch in ``job_dir`` goes on from after a preemption (None: none), and how many
+    preemptions the job has had."""
+    entries = [e for e in read_marker(job_dir) if e.get("checkpoint")]
+    return (entries[-1]["checkpoint"] if entries else None), len(entries)
+
+
 def retire_marker(job_dir: Path) -> None:
     """After a resumed launch finished: the preemptions become history, and a rerun starts afresh."""
     path = Path(job_dir, MARKER)

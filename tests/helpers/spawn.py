@@ -106,11 +106,13 @@ def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo",
     return outcome["results"]
 
 
-def run_together(commands: list[tuple[list[str], Path]], timeout: float = 180) -> list[Launched]:
-    """Run several processes at once (e.g. one per node), each ``(cmd, cwd)``; wait for all; check for orphans."""
+def run_together(commands: list[tuple], timeout: float = 180) -> list[Launched]:
+    """Run several processes at once (e.g. one per node), each ``(cmd, cwd)`` or ``(cmd, cwd, env)``; wait for all;
+    check for orphans."""
     token = uuid.uuid4().hex
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for cmd, cwd in commands]
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=child_env(token, extra[0] if extra else None), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for cmd, cwd, *extra in commands]
     try:
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
     finally:
@@ -120,9 +122,10 @@ def run_together(commands: list[tuple[list[str], Path]], timeout: float = 180) -
     return [Launched(proc.returncode, out, err, token) for proc, (out, err) in zip(procs, outputs)]
 
 
-def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: dict[str, str] | None = None) -> Launched:
-    """Start ``cmd`` in its own session, wait until ``ready()`` while it runs, press Ctrl-C (SIGINT), and
-    collect what it printed; then check that no process of it is left."""
+def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: dict[str, str] | None = None,
+                   send=None) -> Launched:
+    """Start ``cmd`` in its own session, wait until ``ready()`` while it runs, press Ctrl-C (SIGINT; or call
+    ``send(proc)`` to signal it otherwise), and collect what it printed; then check that no process of it is left."""
     token = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(token, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -133,7 +136,10 @@ def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: d
                 proc.kill()
                 raise AssertionError(f"never ready; output: {proc.communicate()}")
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        if send is None:
+            proc.send_signal(signal.SIGINT)
+        else:
+            send(proc)
         out, err = proc.communicate(timeout=timeout)
     finally:
         proc.kill()
