@@ -1,4 +1,4 @@
-"""One launch: the resolved config goes to every rank through ``hydraddp.distributed.Parallel``."""
+"""One launch: the plan's resolved config goes to every rank through ``hydraddp.distributed.Parallel``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 import hydraddp.distributed as idist
-from hydraddp.config.validate import resolve_backend
+from hydraddp.launch_plan import LaunchPlan
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,6 @@ def agreed_job_dir(proposed: str, decides: bool) -> str:
     return idist.broadcast(agreed, src=src)
 
 
-def resolved(cfg: DictConfig) -> dict[str, Any]:
-    """The config as plain data with every interpolation resolved once, here, and ``backend=auto`` decided."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["backend"]["name"] = resolve_backend(cfg.backend.name)
-    return plain
-
-
 def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     backend, launcher = plain["backend"]["name"], plain["launcher"]
     if backend == "none":
@@ -101,21 +94,11 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     )
 
 
-def redacted(cfg: DictConfig, plain: dict[str, Any]) -> dict[str, Any]:
-    """``plain`` with every secret masked: values from ``${oc.env:...}`` (known only before resolving) and
-    everything under a secret-looking key. What leaves the job's memory (MLflow, checkpoints) is this."""
-    from hydraddp.tracking import names
-
-    return names.redact(plain, names.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
-
-
-def launch(plain: dict[str, Any], job_dir: Path, events_path: Path | None = None,
-           saved_config: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
-    """Run the resolved config ``plain`` (see ``resolved``) on all ranks; checkpoints keep ``saved_config``
-    (see ``redacted``). Returns the lowest global rank this process saw (0 when it spawned the workers or is
-    rank 0 under torchrun) and that rank's ``TrainResult``."""
-    parallel = parallel_for(plain)
-    results = parallel.run(worker, plain, str(job_dir), str(events_path) if events_path else None, not parallel.spawns,
-                           saved_config)
+def launch(plan: LaunchPlan, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
+    """Run ``plan`` on all ranks. Returns the lowest global rank this process saw (0 when it spawned the workers or
+    is rank 0 under torchrun) and that rank's ``TrainResult``."""
+    parallel = parallel_for(plan.config)
+    results = parallel.run(worker, plan.config, str(plan.job_dir), str(events_path) if events_path else None,
+                           not parallel.spawns, plan.saved_config)
     rank = min(results)
     return rank, results[rank]

@@ -72,18 +72,19 @@ def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def _report_single(outcome: dict[str, Any] | None) -> None:
     """One launch through submitit: say how it ended, with the contract's exit code."""
-    from hydraddp.cli import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED
+    from hydraddp.cli import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED, LaunchEnded
 
     if outcome is None:
         print("hydraddp: the submitit job left no outcome (see its log under .submitit/)", file=sys.stderr)
-        sys.exit(EXIT_WORKER_FAILED)
+        raise LaunchEnded(EXIT_WORKER_FAILED)
     if outcome.get("status") == "ok":
         run = f" MLflow run {outcome['run_id']}." if outcome.get("run_id") else ""
         print(f"hydraddp: done (submitit job). {outcome['steps']} steps at world size {outcome['world_size']}: loss "
               f"{outcome['final_loss']:.4f}. Job directory: {outcome['job_dir']}.{run}", flush=True)
         return
     print(f"hydraddp: the submitit job ended {outcome.get('status')}: {outcome.get('error', '')}", file=sys.stderr)
-    sys.exit({"invalid": EXIT_INVALID, "preempted": EXIT_PREEMPTED}.get(outcome.get("status"), EXIT_WORKER_FAILED))
+    raise LaunchEnded({"invalid": EXIT_INVALID, "preempted": EXIT_PREEMPTED}.get(outcome.get("status"),
+                                                                            EXIT_WORKER_FAILED))
 
 
 class SweepSummary(Callback):
@@ -99,12 +100,12 @@ class SweepSummary(Callback):
         if _submitit(config):
             found = _before_submission_problems(config)
             if found:
-                from hydraddp.cli import EXIT_INVALID
+                from hydraddp.cli import EXIT_INVALID, LaunchEnded
 
                 print("hydraddp: invalid configuration; nothing was submitted:", file=sys.stderr)
                 for problem in found:
                     print(f"- {problem}", file=sys.stderr)
-                sys.exit(EXIT_INVALID)
+                raise LaunchEnded(EXIT_INVALID)
         if not config.tracking.enabled or _single_job():
             return
         from hydraddp.tracking.run import SweepRun, preflight
@@ -145,4 +146,6 @@ class SweepSummary(Callback):
         if self.outcomes:
             print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
         if failed:
-            sys.exit(1)
+            from hydraddp.cli import EXIT_WORKER_FAILED, LaunchEnded
+
+            raise LaunchEnded(EXIT_WORKER_FAILED)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import interrupt_when, job_dirs, run_cli, run_process, run_together
+from tests.helpers.spawn import REPO, interrupt_when, job_dirs, run_cli, run_process, run_together
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
 DONE = re.compile(r"hydraddp: done\. (\d+) steps at world size (\d+): loss ([\d.]+)")
@@ -148,3 +148,33 @@ def test_inside_a_slurm_allocation_but_not_an_srun_step_it_launches_locally(tmp_
     assert done.returncode == 0, done.stderr[-4000:]
     assert finished(done.stdout)[:2] == (12, 2)  # launcher.nproc_per_node=2, not the allocation's 4 tasks
     assert "in Slurm job 4242 but not in an srun step: launching 2 local worker(s)" in done.stderr
+
+
+def test_a_launch_resolves_its_config_once_and_the_cli_keeps_no_module_state(tmp_path):
+    """compose -> validate everything -> resolve once into a frozen LaunchPlan -> launch: the tracker and every worker
+    read that one plan (counted in the launching process, the only one that may resolve)."""
+    import os as _os
+    import textwrap
+
+    from hydraddp import cli
+
+    script = tmp_path / "count.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, os, sys
+        import hydraddp.launch_plan as launch_plan
+        calls, original, me = [], launch_plan.resolve, os.getpid()
+        def counted(cfg):
+            calls.append(os.getpid())
+            return original(cfg)
+        launch_plan.resolve = counted
+        atexit.register(lambda: os.getpid() == me and print(f"resolved {len(calls)} time(s)", file=sys.stderr))
+        import runpy
+        runpy.run_module("hydraddp", run_name="__main__", alter_sys=True)  # as python -m hydraddp
+    """))
+    done = run_process([sys.executable, str(script), "trainer.max_steps=5", f"tracking.uri=sqlite:///{tmp_path}/m.db"],
+                       cwd=tmp_path, env={"PYTHONPATH": _os.pathsep.join([str(tmp_path), str(REPO)])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resolved 1 time(s)" in done.stderr
+    mutable = [name for name, value in vars(cli).items() if isinstance(value, (dict, list, set, bytearray))
+               and not name.startswith("__")]
+    assert mutable == []

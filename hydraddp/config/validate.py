@@ -70,9 +70,10 @@ def combination_of(cfg: DictConfig) -> Combination:
     )
 
 
-def problems(cfg: DictConfig) -> list[Problem]:
-    """Every problem of the composed ``cfg``, each naming its config keys and the fix."""
-    found = check_compatibility(combination_of(cfg)) + range_problems(cfg)
+def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]:
+    """Every problem of the composed ``cfg`` (whose core view is ``combo``, when known), each naming its config keys
+    and the fix."""
+    found = check_compatibility(combo or combination_of(cfg)) + range_problems(cfg)
     try:
         signal_numbers(list(cfg.checkpoint.preempt_signals))
     except ValueError as exc:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hydraddp.tracking import names
 from hydraddp.tracking.process import TrackerProcess
@@ -19,35 +19,35 @@ def tracking_uri(cfg: DictConfig) -> str:
     return cfg.tracking.uri or default_uri()
 
 
-def launch_run(cfg: DictConfig, resolved: dict[str, Any], job_dir: Path, overrides: list[str],
-               realized_wrap: str, world_size: int, resumed_from: dict[str, Any] | None = None,
-               restarted: bool = False, extra_tags: dict[str, str] | None = None) -> TrackerProcess:
-    """The launch's run (its tracker process; ``start`` it). Every ``${oc.env:...}`` value and every password/token/secret-looking key is masked
-    in the params, the config artifact, the overrides and the user's tags."""
-    secrets = names.secret_paths(OmegaConf.to_container(cfg, resolve=False))
-    config = names.redact(resolved, secrets)
+def launch_run(plan: Any) -> TrackerProcess:
+    """The run of ``plan`` (a ``LaunchPlan``; its tracker process: ``start`` it). Every ``${oc.env:...}`` value and
+    every password/token/secret-looking key is masked in the params, the config artifact, the overrides and the
+    user's tags."""
+    config = plan.saved_config
     tags = {
         **config["tracking"]["tags"],
-        names.TAG_BACKEND: resolved["backend"]["name"],
-        names.TAG_WRAP: realized_wrap,
-        names.TAG_PRECISION: cfg.precision.name,
-        names.TAG_OFFLOAD: cfg.offload.name,
-        names.TAG_WORLD_SIZE: str(world_size),
+        names.TAG_BACKEND: config["backend"]["name"],
+        names.TAG_WRAP: plan.wrap,
+        names.TAG_PRECISION: config["precision"]["name"],
+        names.TAG_OFFLOAD: config["offload"]["name"],
+        names.TAG_WORLD_SIZE: str(plan.world_size),
         # What was trained, by class: a sweep over users' models and tasks stays readable in the UI.
-        names.TAG_MODEL: str(resolved["model"].get("_target_", "?")),
-        names.TAG_TASK: str(resolved["task"].get("_target_", "?")),
-        **(extra_tags or {}),
+        names.TAG_MODEL: str(config["model"].get("_target_", "?")),
+        names.TAG_TASK: str(config["task"].get("_target_", "?")),
+        **({names.TAG_REQUEUES: str(plan.preemptions)} if plan.preemptions else {}),
     }
     parent = os.environ.get(PARENT_RUN_ENV)
     if parent:
         tags[names.TAG_PARENT] = parent
-    overrides = names.redact_overrides(overrides, secrets)
+    overrides = names.redact_overrides(list(plan.overrides), plan.secret_paths)
+    tracking = plan.config["tracking"]
     return TrackerProcess({
-        "uri": tracking_uri(cfg), "experiment": cfg.tracking.experiment, "job_dir": str(job_dir), "config": config,
-        "overrides": overrides, "tags": tags, "run_id": cfg.tracking.run_id, "run_name": " ".join(overrides) or None,
+        "uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(plan.job_dir),
+        "config": config, "overrides": overrides, "tags": tags, "run_id": tracking["run_id"],
+        "run_name": " ".join(overrides) or None,
         # A resume or a restart continues a run that may hold some of the steps to come: they are not resent.
-        "resuming": bool(cfg.checkpoint.resume) or restarted, "resumed_from": resumed_from,
-        "adopt_run": restarted and not cfg.tracking.run_id,
+        "resuming": plan.resumes or plan.restarted, "resumed_from": plan.resumed_from,
+        "adopt_run": plan.restarted and not tracking["run_id"],
     })
 
 

@@ -1,0 +1,149 @@
+"""One launch, decided before anything starts: the composed config is validated whole (its combination, ranges,
+the checkpoint it resumes and the tracking server included), then resolved once into a frozen ``LaunchPlan``. The
+tracker and every worker read that one object; nothing resolves or validates the config again."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hydraddp.distributed.compat import Problem
+from hydraddp.distributed.env import detect_launch_env
+from hydraddp.tracking import names
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one launch runs, and where. ``config`` is resolved (``backend=auto`` decided); treat it as read-only."""
+
+    config: dict[str, Any]
+    saved_config: dict[str, Any]  # ``config`` with every secret masked: what MLflow and checkpoints keep
+    secret_paths: frozenset[str]  # dotted keys whose values are secrets (for the overrides MLflow shows)
+    job_dir: Path
+    overrides: tuple[str, ...]
+    sweeping: bool
+    wrap: str  # the realized wrapper (wrap=auto decided)
+    world_size: int
+    tracks: bool  # this process keeps the launch's MLflow run
+    resumed_from: dict[str, Any] | None  # the checkpoint and step a resume starts from
+    preemptions: int  # how many preemptions the job in this directory has had
+    restarted: bool  # torch's agent restarted the group: the first attempt's job directory and run go on
+    started_at: float  # time.time() of the command (the first job of a sweep) or of this job
+
+    @property
+    def resumes(self) -> bool:
+        return bool(self.config["checkpoint"]["resume"])
+
+
+def resolve(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` as plain data, every interpolation resolved: once per launch, here."""
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _resume_after_preemption(cfg: DictConfig, job_dir: Path) -> int:
+    """A launch in the job directory of a preempted one (a requeued job, or a rerun with ``hydra.run.dir``) goes on
+    from its checkpoint. Returns how many preemptions the job has had (0: none)."""
+    from hydraddp.train.preemption import resume_point
+
+    checkpoint, preemptions = resume_point(job_dir)
+    if checkpoint and not cfg.checkpoint.resume:
+        cfg.checkpoint.resume = checkpoint
+    return preemptions
+
+
+def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dict[str, Any] | None]:
+    """Find ``checkpoint.resume`` and check it holds this model (on the meta device: no memory, no process group).
+    A resumed run continues its MLflow run unless told otherwise. Returns the problems and where the resume starts."""
+    if not cfg.checkpoint.resume:
+        return [], None
+    from hydraddp.train.checkpoint import CheckpointError, check_model_matches, check_readable, find, read_meta
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
+    try:
+        path = find(root, cfg.checkpoint.resume)
+        meta = read_meta(path)
+        check_readable(path)
+        check_model_matches(path, cfg.model)
+    except CheckpointError as exc:
+        return [Problem(("checkpoint.resume",), str(exc), "")], None
+    cfg.checkpoint.resume = str(path.resolve())
+    run_id_file = Path(meta["job_dir"], names.RUN_ID_FILE) if meta.get("job_dir") else None
+    run_id = meta.get("run_id") or (run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None)
+    if not cfg.tracking.run_id and run_id:
+        cfg.tracking.run_id = run_id
+    return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
+
+
+def _tracks_here(cfg: DictConfig) -> bool:
+    """The launch's one MLflow run lives in rank 0's process when attached, else in node 0's launcher."""
+    launch = detect_launch_env()
+    return cfg.tracking.enabled and (launch.rank == 0 if launch is not None else cfg.launcher.node_rank == 0)
+
+
+def _tracking_problems(cfg: DictConfig) -> list[Problem]:
+    from hydraddp.tracking.setup import preflight, tracking_uri
+
+    unreachable = preflight(tracking_uri(cfg))
+    if not unreachable:
+        return []
+    return [Problem(("tracking.uri",), f"tracking.uri: {unreachable}.",
+                    "Start the server, point tracking.uri at a running one, or set tracking.enabled=false.")]
+
+
+def agreed_job_dir(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
+    """The launch's job directory, and whether this is a restart. Rank 0 under torchrun asks the agent: after
+    ``torchrun --max-restarts`` restarted the group, it goes on in the first attempt's directory, with that
+    attempt's run and checkpoints, and the directory Hydra just made is removed (``remove_untouched``)."""
+    attached = detect_launch_env()
+    if attached is None or attached.rank != 0 or attached.world_size == 1:
+        return job_dir, False
+    from hydraddp.launch import job_dir_from_agent
+
+    agreed = job_dir_from_agent(str(job_dir))
+    if agreed is None or Path(agreed) == job_dir:
+        return job_dir, False
+    remove_untouched(job_dir)
+    return Path(agreed), True
+
+
+def started_at(sweeping: bool, job_num: int) -> float:
+    """perf/startup_s counts from the command for a launch and a sweep's first job, from its own start for the others
+    (``python -m hydraddp`` puts the command's start in the environment)."""
+    launched = os.environ.get(names.LAUNCHED_AT_ENV)
+    return float(launched) if launched and (not sweeping or job_num == 0) else time.time()
+
+
+def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool, job_num: int,
+            remove_untouched) -> LaunchPlan | list[Problem]:
+    """Validate ``cfg`` whole, then plan the launch; or every problem found, each with its keys and the fix.
+
+    ``cfg`` is completed in place first: ``backend=auto`` decided, and the checkpoint a resume starts from, with
+    the MLflow run it continues.
+    """
+    from hydraddp.config.validate import combination_of, problems, resolve_backend
+    from hydraddp.distributed.compat import resolve_wrap
+
+    cfg.backend.name = resolve_backend(cfg.backend.name)
+    combo = combination_of(cfg)
+    found = problems(cfg, combo)
+    preemptions = _resume_after_preemption(cfg, job_dir) if not found else 0
+    resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found else ([], None)
+    found += resume_problems
+    tracks = _tracks_here(cfg)
+    if tracks and not found:
+        found += _tracking_problems(cfg)
+    if found:
+        return found
+    job_dir, restarted = agreed_job_dir(job_dir, remove_untouched)
+    secrets = frozenset(names.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
+    config = resolve(cfg)
+    return LaunchPlan(
+        config=config, saved_config=names.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
+        overrides=tuple(overrides), sweeping=sweeping, wrap=resolve_wrap(combo), world_size=combo.world_size,
+        tracks=tracks, resumed_from=resumed_from, preemptions=preemptions, restarted=restarted,
+        started_at=started_at(sweeping, job_num))
