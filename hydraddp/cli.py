@@ -102,6 +102,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         _report_problems(plan, job_dir)
         return _ended({**outcome, "status": "invalid", "error": str(plan[0])}, sweeping, EXIT_INVALID)
     outcome["job_dir"] = str(plan.job_dir)
+    for warning in plan.warnings:
+        print(f"hydraddp: warning: {warning}", file=sys.stderr, flush=True)
     os.environ[names.LAUNCHED_AT_ENV] = repr(plan.started_at)  # the workers' perf/startup_s counts from here
     slurm_job = slurm_allocation_outside_step()
     if slurm_job is not None:

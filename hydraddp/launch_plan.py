@@ -34,6 +34,7 @@ class LaunchPlan:
     preemptions: int  # how many preemptions the job in this directory has had
     restarted: bool  # torch's agent restarted the group: the first attempt's job directory and run go on
     started_at: float  # time.time() of the command (the first job of a sweep) or of this job
+    warnings: tuple[str, ...] = ()  # what runs, but slower than it could here (said before the launch)
 
     @property
     def resumes(self) -> bool:
@@ -126,6 +127,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     the MLflow run it continues.
     """
     from hydraddp.config.validate import combination_of, problems, resolve_backend
+    from hydraddp.distributed import machine
     from hydraddp.distributed.compat import resolve_wrap
 
     cfg.backend.name = resolve_backend(cfg.backend.name)
@@ -146,4 +148,6 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
         config=config, saved_config=names.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
         overrides=tuple(overrides), sweeping=sweeping, wrap=resolve_wrap(combo), world_size=combo.world_size,
         tracks=tracks, resumed_from=resumed_from, preemptions=preemptions, restarted=restarted,
-        started_at=started_at(sweeping, job_num))
+        started_at=started_at(sweeping, job_num),
+        warnings=tuple(machine.precision_warnings(cfg.precision.name, combo.cuda_device_count,
+                                                  machine.cpu_has_fast_bf16())))
