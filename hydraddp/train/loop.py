@@ -124,6 +124,7 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     """The model (wrapped), optimizer, scheduler, grad scaler, task and loaders of ``cfg``, with a checkpoint loaded
     into them when the launch resumes."""
     bare = instantiate_model(cfg)
+    model_class = f"{type(bare).__module__}.{type(bare).__qualname__}"  # before FSDP2 swaps the class in place
     flops_per_token = model_flops_per_token(bare)
     model, _ = wrap_model(cfg, bare)
     params = parameter_groups(model, cfg.optim.no_decay_norm_and_bias)
@@ -142,7 +143,7 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
                   data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed),
                   data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers), resumed, flops_per_token,
-                  f"{type(bare).__module__}.{type(bare).__qualname__}")
+                  model_class)
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
