@@ -167,9 +167,9 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
 
 def _preemption_since(plan: Any) -> dict[str, Any] | None:
     """The preemption this launch's workers recorded, if they did (the marker has an entry more than at start)."""
-    from hydraddp.train.preemption import read_marker
+    from hydraddp.train.preemption import checkpointed_preemptions
 
-    entries = [e for e in read_marker(plan.job_dir) if e.get("checkpoint")]
+    entries = checkpointed_preemptions(plan.job_dir)
     return entries[-1] if len(entries) > plan.preemptions else None
 
 

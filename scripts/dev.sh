@@ -41,8 +41,6 @@ vision_tests() {
   local vision_stamp="$VISION_VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)"
   if [ ! -f "$vision_stamp" ]; then
     # shellcheck disable=SC2086
-    "$VISION_VENV/bin/python" -m pip install -q $VISION_SPEC
-    # shellcheck disable=SC2086
     "$VISION_VENV/bin/python" -m pip install -q -e ".[vision]" "pytest>=8" "pytest-timeout>=2.3" $VISION_SPEC
     touch "$vision_stamp"
   fi

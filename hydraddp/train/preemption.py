@@ -38,8 +38,13 @@ class Preemption:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         self._pending: tuple[Any, Any] | None = None  # (the all-reduce's handle, its flag tensor)
+        self._alone = self._horovod = False
+        self._device: Any = None
 
     def __enter__(self) -> Preemption:
+        # Read once, not at every step: agreed() runs in the training loop.
+        self._alone, self._horovod = idist.get_world_size() == 1, idist.backend() == "horovod"
+        self._device = idist.device()
         if threading.current_thread() is threading.main_thread():
             for number in self.signals:
                 self._previous[number] = signal.signal(number, self._record)
@@ -49,7 +54,7 @@ class Preemption:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
-        if self._pending is not None and self._pending[0] is not None:
+        if self._pending is not None:
             self._pending[0].wait()  # no collective is left half-done
 
     def _record(self, signum: int, frame: Any) -> None:
@@ -57,21 +62,16 @@ class Preemption:
             self.received = signum
             log.warning("got %s: stopping after the ranks agree, with a checkpoint", signal.Signals(signum).name)
 
-    def previous_handler(self, signum: int) -> Any:
-        """The handler that was in place before this one (submitit's, under submitit)."""
-        return self._previous.get(signum, signal.getsignal(signum))
-
     def agreed(self) -> bool:
         """Call at every step's end, on every rank: True once any rank got a signal (the same step on every rank)."""
-        if idist.get_world_size() == 1:
+        if self._alone:
             return self.received is not None
         import torch
-
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=idist.device())
-        if idist.backend() == "horovod":
-            return bool(idist.all_reduce(flag, "MAX").item())  # Horovod: no async handle through idist
         import torch.distributed as dist
 
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=self._device)
+        if self._horovod:
+            return bool(idist.all_reduce(flag, "MAX").item())  # Horovod: no async handle through idist
         previous, self._pending = self._pending, (dist.all_reduce(flag, dist.ReduceOp.MAX, async_op=True), flag)
         if previous is None:
             return False
@@ -96,10 +96,15 @@ def read_marker(job_dir: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+def checkpointed_preemptions(job_dir: Path) -> list[dict[str, Any]]:
+    """The preemptions of the job in ``job_dir`` that left a checkpoint, oldest first."""
+    return [e for e in read_marker(job_dir) if e.get("checkpoint")]
+
+
 def resume_point(job_dir: Path) -> tuple[str | None, int]:
     """The checkpoint a launch in ``job_dir`` goes on from after a preemption (None: none), and how many
     preemptions the job has had."""
-    entries = [e for e in read_marker(job_dir) if e.get("checkpoint")]
+    entries = checkpointed_preemptions(job_dir)
     return (entries[-1]["checkpoint"] if entries else None), len(entries)
 
 
