@@ -99,6 +99,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``python -m hydraddp.plan`` and the plan every launch records (hydraddp/plan/)."""
+
+    record: bool = True  # the tracker plans the launch beside the workers: plan/* params, plan.json, plan/error
+    measure: bool = True  # torch's MemTracker over the second step: the measured peak the plan is checked against
+    budget_gb: Optional[float] = None  # per-rank memory: which wraps and settings fit, and the one to use
+
+
+@dataclass
 class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     wrap: WrapConfig = field(default_factory=WrapConfig)
@@ -112,6 +121,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register() -> None:

@@ -59,6 +59,10 @@ def wrap_ddp(model: nn.Module, device: torch.device, **kwargs: Any) -> nn.Module
         if "device_ids" in kwargs:
             raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{device.index}]); drop device_ids={kwargs['device_ids']}")
         kwargs["device_ids"] = [device.index]
+    from hydraddp.distributed import simulated
+
+    if simulated.active():  # a plan: DDP's reducer needs real storage, its stand-in holds the same bytes
+        return simulated.BucketedGradients(model, **kwargs)
     return nn.parallel.DistributedDataParallel(model, **kwargs)
 
 
@@ -101,7 +105,10 @@ def wrap_fsdp2(
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = _pop_policy(kwargs)
-    mesh = kwargs.pop("mesh", None) or init_device_mesh(device.type, (world_size,))
+    from hydraddp.distributed import simulated
+
+    planning = simulated.active()  # a plan's mesh was made before its fake tensors, which cannot make one
+    mesh = kwargs.pop("mesh", None) or (planning.mesh if planning else init_device_mesh(device.type, (world_size,)))
     user_mp = kwargs.pop("mp_policy", None)
     offload_policy = kwargs.pop("offload_policy", None) or (CPUOffloadPolicy() if offload else OffloadPolicy())
     common = {"mesh": mesh, "offload_policy": offload_policy, **kwargs}

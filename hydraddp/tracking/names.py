@@ -33,6 +33,7 @@ def eval_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {f"eval/{name}": value for name, value in metrics.items()}
 SHARDING_FIELDS = ("param_numel", "param_bytes", "grad_bytes", "optim_state_bytes")
 PEAK_MEMORY = "memory/peak_bytes"
+PEAK_TENSOR = "memory/peak_tensor_bytes"  # torch's tensor accounting over the second step (what the plan predicts)
 AGGREGATES = ("max", "min", "mean")
 
 REDACTED = "***redacted***"

@@ -6,6 +6,7 @@ measurements (``metrics.py``), evaluation and the checkpoint hooks (``resume.py`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -26,7 +27,7 @@ from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
 from hydraddp.train import checkpoint, data, preemption, resume, tasks
 from hydraddp.train.logs import ConsoleHandler
-from hydraddp.train.metrics import StepLog, Throughput, peak_flops, peak_memory_bytes
+from hydraddp.train.metrics import StepLog, TensorPeak, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
 from hydraddp.train.step import train_step
 
@@ -48,6 +49,8 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # logged step -> loss averaged over ranks
     reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's WrapReport after step 1
     peak_memory_bytes: list[int] = field(default_factory=list)  # per rank (see peak_memory_bytes)
+    # Per rank, over this launch's second step (plan.measure): the peak of tensor memory and its parts at that moment.
+    tensor_peaks: list[dict[str, Any]] = field(default_factory=list)
     preempted: dict[str, Any] | None = None  # a signal stopped training: step, checkpoint, signal
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +164,13 @@ def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Pa
             write_report(job_dir, result.reports)
 
 
+def _after_measured_step(peak: TensorPeak, result: TrainResult, step: int, events: EventWriter | None) -> None:
+    """Every rank's measured tensor peak, for the plan's check (the tracker compares it with ``plan.json``)."""
+    result.tensor_peaks = idist.all_gather({"peak_bytes": peak.peak_bytes, "parts": peak.parts})
+    if events is not None:
+        events.metrics(names.per_rank_metrics(names.PEAK_TENSOR, [p["peak_bytes"] for p in result.tensor_peaks]), step)
+
+
 def _perf(throughput: Throughput, result: TrainResult, batch: Any, flops_per_token: float | None,
           device_flops: float | None, world: int) -> dict[str, float]:
     """The logging window's samples/s and step time (kept in ``result``), and MFU where the peak is known."""
@@ -214,8 +224,13 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     with preemption.Preemption(list(cfg.checkpoint.preempt_signals)) as stop:
         for step in range(start_step + 1, last_step + 1):
             batch = tasks.to_device(next(batches), device)
-            loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, horovod,
-                              trainer.accumulate_grad_batches)
+            # The second step, as the plan counts it: optimizer state made, nothing allocated for the first time.
+            measuring = cfg.plan.measure and step == start_step + 2
+            with TensorPeak(model, parts.optimizer, device) if measuring else contextlib.nullcontext() as peak:
+                loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, horovod,
+                                  trainer.accumulate_grad_batches)
+            if measuring:
+                _after_measured_step(peak, result, step, events)
             if parts.scheduler is not None:
                 parts.scheduler.step()
             throughput.count(step, tasks.batch_size(batch) * world)

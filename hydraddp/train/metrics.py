@@ -112,3 +112,39 @@ class StepLog:
             last = self.pending[-1].perf[names.SAMPLES_PER_S]
             self.progress.set_postfix(loss=f"{means[-1]:.4f}", samples_per_s=f"{last:.0f}")
         self.pending = []
+
+
+class TensorPeak:
+    """The peak of this rank's tensor memory over what runs inside, and its parts at that moment: torch's own
+    ``MemTracker`` (it follows every storage through the dispatcher, so it works on the CPU, where no allocator
+    keeps statistics). The model's parameters and gradients and the optimizer's state count from the start.
+    On CUDA the peak is ``max_memory_allocated`` over the same span (the parts still come from the tracker)."""
+
+    PARTS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
+             "Temp": "temporary", "Optstate": "optimizer_state", "Other": "other"}
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | None = None):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.peak_bytes, self.parts = 0, {}
+
+    def __enter__(self) -> TensorPeak:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._tracker = MemTracker()
+        self._tracker.track_external(self.model, self.optimizer)
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._tracker.__exit__(*exc_info)
+        totals: dict[str, int] = {}
+        for per_device in self._tracker.get_tracker_snapshot("peak").values():
+            for kind, nbytes in per_device.items():
+                name = self.PARTS.get(getattr(kind, "value", kind), "total")
+                totals[name] = totals.get(name, 0) + int(nbytes)
+        self.peak_bytes = totals.pop("total", 0)
+        if self.device is not None and self.device.type == "cuda":
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.parts = totals

@@ -1,0 +1,159 @@
+"""One rank's memory for one composed config, found by running it: the launch's own model, wrap and training step,
+in a simulated world (``hydraddp.distributed.simulated``: torch's fake process group and fake tensors). Nothing is
+allocated and no peer is needed, so a 1B-parameter model plans in seconds on a laptop.
+
+What it counts is what the run measures (``hydraddp.train.metrics.TensorPeak``): the WrapReport after the first
+step (parameter, gradient and optimizer-state bytes, exact), and torch's ``MemTracker`` over the second (the peak of
+tensor memory, and what it was made of at that moment).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from hydraddp.distributed.report import ROOT
+
+# DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel's defaults): the first bucket is small so the
+# first all-reduce starts early.
+FIRST_BUCKET_BYTES, BUCKET_CAP_MB = 1024 * 1024, 25
+
+
+@dataclass(frozen=True)
+class Unit:
+    """An FSDP unit (the parameters it gathers at once) or a DDP bucket (the gradients it reduces at once)."""
+
+    name: str
+    numel: int
+    checkpointed: bool = False
+    compiled: bool = False
+
+
+@dataclass
+class Estimate:
+    """What one rank of one configuration holds, in bytes (``rank`` of ``world_size``)."""
+
+    wrap: str
+    precision: str
+    world_size: int
+    rank: int
+    units: list[Unit]
+    param_bytes: int  # this rank's parameters (its shards under FSDP), as stored
+    grad_bytes: int
+    optim_state_bytes: int
+    unsharded_unit_bytes: int  # the largest units gathered at once, in the compute dtype (prefetch: two in flight)
+    activation_bytes: int  # saved for backward, at the peak
+    temporary_bytes: int  # everything else alive at the peak: gathered units, casts, gradients being reduced
+    peak_bytes: int  # the peak of all tensor memory over a training step
+    batch_per_rank: int
+    seconds: float  # how long the estimate took
+    unsure: list[str] = field(default_factory=list)  # why the peak may be off (empty: it should hold to 10%)
+    peak_margin_bytes: int = 0  # how much higher the real peak may be, for the reasons in ``unsure``
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _unit_sizes(numel_by_name: dict[str, int], unit_names: list[str]) -> dict[str, int]:
+    """Each unit's own parameters: those under its name and not under a nested unit's (the root takes the rest)."""
+    innermost_first = sorted((u for u in unit_names if u != ROOT), key=len, reverse=True)
+    sizes = {**dict.fromkeys(unit_names, 0), ROOT: 0}
+    for param, numel in numel_by_name.items():
+        sizes[next((u for u in innermost_first if param.startswith(u + ".")), ROOT)] += numel
+    return {name: numel for name, numel in sizes.items() if numel or name in unit_names}
+
+
+def ddp_buckets(numel_by_name: dict[str, int], element_size: int, cap_mb: float = BUCKET_CAP_MB) -> list[Unit]:
+    """DDP's buckets: parameters in reverse order (the order backward produces their gradients), the first bucket up
+    to 1 MiB, the others up to ``bucket_cap_mb``."""
+    buckets: list[Unit] = []
+    current, numel = [], 0
+    for name, count in reversed(list(numel_by_name.items())):
+        cap = FIRST_BUCKET_BYTES if not buckets else cap_mb * 1024 * 1024
+        current.append(name)
+        numel += count
+        if numel * element_size >= cap:
+            buckets.append(Unit(f"bucket {len(buckets)}: {current[-1]} .. {current[0]}", numel))
+            current, numel = [], 0
+    if current:
+        buckets.append(Unit(f"bucket {len(buckets)}: {current[-1]} .. {current[0]}", numel))
+    return buckets
+
+
+def _first_batch(cfg: DictConfig) -> Any:
+    """This rank's first training batch, real (a batch is small, and a sampler reads its random numbers): the data's
+    own loader, split as the run splits it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from hydraddp.config.instantiate import instantiate
+    from hydraddp.train import data
+
+    with unset_fake_temporarily():
+        train_set, _ = instantiate(cfg.data.dataset, "data.dataset")
+        return next(iter(data.train_loader(train_set, cfg.data.batch_size, 0, cfg.trainer.seed)))
+
+
+def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
+    """Plan ``cfg`` (composed and validated, ``backend=auto`` decided) as ``rank`` of ``world_size``."""
+    import hydraddp.distributed as idist
+    from hydraddp.build import instantiate_model, wrap_model
+    from hydraddp.config.instantiate import instantiate
+    from hydraddp.distributed.precision import precision_spec
+    from hydraddp.distributed.simulated import simulated_world
+    from hydraddp.train import tasks
+    from hydraddp.train.metrics import TensorPeak
+    from hydraddp.train.optim import parameter_groups
+    from hydraddp.train.step import train_step
+
+    started = time.perf_counter()
+    nproc = min(cfg.launcher.nproc_per_node, world_size)
+    with simulated_world(world_size, cfg.backend.name, nproc, rank):
+        batch = _first_batch(cfg)
+        bare = instantiate_model(cfg)
+        numel_by_name = {name: p.numel() for name, p in bare.named_parameters()}
+        model, _ = wrap_model(cfg, bare)
+        optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(
+            parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
+        task, scaler, trainer = instantiate(cfg.task, "task"), idist.grad_scaler(model), cfg.trainer
+        step = lambda: train_step(model, task, batch, optimizer, scaler, trainer.grad_clip, False,  # noqa: E731
+                                  trainer.accumulate_grad_batches)
+        step()  # the first step makes the optimizer state, as in the run
+        report = idist.wrap_report(model, optimizer)
+        with TensorPeak(model, optimizer) as peak:
+            step()
+        batch_per_rank = tasks.batch_size(batch)
+
+    spec = precision_spec(cfg.precision.name)
+    compute_size = torch.empty((), dtype=spec.compute_dtype).element_size()
+    storage_size = torch.empty((), dtype=spec.storage_dtype).element_size()
+    if report.wrapper in ("fsdp", "fsdp2"):
+        sizes = _unit_sizes(numel_by_name, report.units)
+        units = [Unit(name, numel, name in report.checkpointed, name in report.compiled) for name, numel in sizes.items()]
+        in_flight = sorted((u.numel for u in units), reverse=True)[:2]  # the one computing and the one prefetched
+        unsharded = sum(in_flight) * compute_size
+    else:
+        units = ddp_buckets(numel_by_name, storage_size, cfg.wrap.kwargs.get("bucket_cap_mb", BUCKET_CAP_MB)) \
+            if cfg.wrap.name == "ddp" else [Unit(ROOT, sum(numel_by_name.values()))]
+        unsharded = 0
+    unsure, margin = [], 0
+    if report.wrapper == "fsdp" and cfg.backend.name == "gloo":
+        # gloo has no reduce-scatter of its own: torch runs it as an all-reduce of a copy of the whole gathered
+        # gradient, in the reduce dtype. The simulated group reduces in place.
+        margin = max((u.numel for u in units), default=0) * torch.empty((), dtype=spec.reduce_dtype).element_size()
+        unsure.append(f"wrap=fsdp on gloo: its reduce-scatter copies each unit's gradient, up to {margin} bytes "
+                      "more than planned")
+    if cfg.offload.name != "none":
+        unsure.append("offload=cpu: the parameters and optimizer state counted here live in host memory")
+    if trainer.compile:
+        unsure.append("trainer.compile: the compiled graphs' own buffers are not simulated (they run eagerly here)")
+    return Estimate(
+        wrap=report.wrapper if cfg.wrap.name != "ddp" else "ddp", precision=spec.name, world_size=world_size, rank=rank,
+        units=units, param_bytes=report.param_bytes, grad_bytes=report.grad_bytes,
+        optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,
+        activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),
+        peak_bytes=peak.peak_bytes, batch_per_rank=batch_per_rank, seconds=time.perf_counter() - started,
+        unsure=unsure, peak_margin_bytes=margin)
