@@ -9,6 +9,7 @@ tensor memory, and what it was made of at that moment).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -110,6 +111,10 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     from hydraddp.train.step import train_step
 
     started = time.perf_counter()
+    compiled = bool(cfg.trainer.compile)
+    if compiled:  # fake tensors run eagerly: the plan counts the eager step (said in ``unsure``)
+        cfg = copy.deepcopy(cfg)
+        cfg.trainer.compile = False
     nproc = min(cfg.launcher.nproc_per_node, world_size)
     with simulated_world(world_size, cfg.backend.name, nproc, rank):
         batch = _first_batch(cfg)
@@ -130,17 +135,18 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     spec = precision_spec(cfg.precision.name)
     compute_size = torch.empty((), dtype=spec.compute_dtype).element_size()
     storage_size = torch.empty((), dtype=spec.storage_dtype).element_size()
-    if report.wrapper in ("fsdp", "fsdp2"):
+    realized = model._hydraddp_wrap.wrap  # wrap=auto decided (DDP's stand-in reports itself as unwrapped)
+    if realized in ("fsdp", "fsdp2"):
         sizes = _unit_sizes(numel_by_name, report.units)
         units = [Unit(name, numel, name in report.checkpointed, name in report.compiled) for name, numel in sizes.items()]
         in_flight = sorted((u.numel for u in units), reverse=True)[:2]  # the one computing and the one prefetched
         unsharded = sum(in_flight) * compute_size
     else:
         units = ddp_buckets(numel_by_name, storage_size, cfg.wrap.kwargs.get("bucket_cap_mb", BUCKET_CAP_MB)) \
-            if cfg.wrap.name == "ddp" else [Unit(ROOT, sum(numel_by_name.values()))]
+            if realized == "ddp" else [Unit(ROOT, sum(numel_by_name.values()))]
         unsharded = 0
     unsure, margin = [], 0
-    if report.wrapper == "fsdp" and cfg.backend.name == "gloo":
+    if realized == "fsdp" and cfg.backend.name == "gloo":
         # gloo has no reduce-scatter of its own: torch runs it as an all-reduce of a copy of the whole gathered
         # gradient, in the reduce dtype. The simulated group reduces in place.
         margin = max((u.numel for u in units), default=0) * torch.empty((), dtype=spec.reduce_dtype).element_size()
@@ -148,10 +154,10 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
                       "more than planned")
     if cfg.offload.name != "none":
         unsure.append("offload=cpu: the parameters and optimizer state counted here live in host memory")
-    if trainer.compile:
+    if compiled:
         unsure.append("trainer.compile: the compiled graphs' own buffers are not simulated (they run eagerly here)")
     return Estimate(
-        wrap=report.wrapper if cfg.wrap.name != "ddp" else "ddp", precision=spec.name, world_size=world_size, rank=rank,
+        wrap=realized, precision=spec.name, world_size=world_size, rank=rank,
         units=units, param_bytes=report.param_bytes, grad_bytes=report.grad_bytes,
         optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,
         activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),

@@ -1,0 +1,148 @@
+"""python -m hydraddp.plan [--json FILE] [overrides]: the wrap plan and one rank's memory for the config a launch with
+the same overrides would run, the same for every other wrap, and with ``plan.budget_gb=N`` what fits.
+
+    python -m hydraddp.plan experiment=gpt_fsdp2 launcher.nproc_per_node=8
+    python -m hydraddp.plan model=hf_causal_lm launcher.nproc_per_node=4 plan.budget_gb=24
+
+No process group is started and no parameter is allocated: the config's own model, wrap and training step run in a
+simulated world (torch's fake process group, fake tensors). Exit codes as for a launch: 2 for a config that would not
+start, and for a budget nothing fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hydraddp.plan.choose import WRAPS, within_budget, without_wrap
+from hydraddp.plan.estimate import Estimate
+
+EXIT_INVALID = 2
+GIB = 1024**3
+
+
+def size(nbytes: float) -> str:
+    """Binary units throughout (the memory plots and tables say the same)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def plan_overrides(overrides: list[str]) -> Estimate:
+    """Compose and validate as a launch does, then estimate rank 0. Raises ConfigurationError for a config that would
+    not start."""
+    from hydraddp.config.compose import compose
+    from hydraddp.config.validate import combination_of, problems, resolve_backend, world_size
+    from hydraddp.distributed.compat import ConfigurationError
+    from hydraddp.plan.estimate import estimate
+
+    cfg = compose(overrides)
+    cfg.backend.name = resolve_backend(cfg.backend.name)
+    found = problems(cfg, combination_of(cfg))
+    if found:
+        raise ConfigurationError(found)
+    return estimate(cfg, world_size(cfg))
+
+
+def render(est: Estimate, model: str) -> str:
+    lines = [f"hydraddp plan: wrap={est.wrap} precision={est.precision}, rank {est.rank} of {est.world_size}, "
+             f"batch {est.batch_per_rank} per rank",
+             f"  model {model}: {sum(u.numel for u in est.units):,} parameters", ""]
+    kind = "FSDP units" if est.wrap in ("fsdp", "fsdp2") else ("DDP buckets" if est.wrap == "ddp" else "unwrapped")
+    lines.append(f"wrap plan: {len(est.units)} {kind}")
+    width = max(len(u.name) for u in est.units) if est.units else 10
+    for unit in est.units:
+        marks = ", ".join(m for m, on in (("activation checkpointing", unit.checkpointed), ("compiled", unit.compiled)) if on)
+        lines.append(f"  {unit.name:<{width}}  {unit.numel:>14,}  {marks}".rstrip())
+    lines += ["", f"memory of rank {est.rank} (peak over a training step; tensors only)"]
+    parts = [("parameters", est.param_bytes), ("gradients", est.grad_bytes), ("optimizer state", est.optim_state_bytes),
+             ("largest units gathered at once", est.unsharded_unit_bytes), ("activations at the peak", est.activation_bytes),
+             ("other tensors at the peak", est.temporary_bytes), ("peak", est.peak_bytes)]
+    lines += [f"  {name:<32}{size(value):>12}" for name, value in parts]
+    lines += [f"  unsure: {reason}" for reason in est.unsure]
+    return "\n".join(lines)
+
+
+def render_table(rows: list[tuple[str, Estimate | None, str | None]], current: str) -> str:
+    lines = ["", "every wrap, at the same settings (per rank)",
+             f"  {'wrap':<8}{'params':>12}{'grads':>12}{'optim':>12}{'activations':>13}{'peak':>12}"]
+    for wrap, est, error in rows:
+        mark = "  <- this config" if wrap == current else ""
+        if est is None:
+            lines.append(f"  {wrap:<8}  cannot run: {error}")
+            continue
+        lines.append(f"  {wrap:<8}{size(est.param_bytes):>12}{size(est.grad_bytes):>12}{size(est.optim_state_bytes):>12}"
+                     f"{size(est.activation_bytes):>13}{size(est.peak_bytes):>12}{mark}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hydraddp.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the plan here, as JSON")
+    parser.add_argument("overrides", nargs="*", help="hydraddp overrides, as for python -m hydraddp")
+    args = parser.parse_args(argv)
+
+    from omegaconf import OmegaConf
+
+    from hydraddp.config.compose import compose
+    from hydraddp.distributed.compat import ConfigurationError
+    from hydraddp.distributed.machine import cpu_has_fast_bf16, precision_warnings
+
+    try:
+        cfg = compose(args.overrides)
+        est = plan_overrides(args.overrides)
+    except ConfigurationError as exc:
+        print(f"hydraddp.plan: invalid configuration; nothing was planned:\n{exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as exc:  # Hydra's composition errors: an unknown option, a misspelled key, a wrong type
+        if type(exc).__module__.startswith(("hydra", "omegaconf")):
+            print(f"hydraddp.plan: invalid configuration: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        raise
+    print(render(est, str(cfg.model.get("_target_", "?"))))
+    for warning in precision_warnings(cfg.precision.name, 0, cpu_has_fast_bf16()):
+        print(f"  warning: {warning}")
+    rows = []
+    for wrap in WRAPS:
+        if wrap == est.wrap:
+            rows.append((wrap, est, None))
+            continue
+        try:
+            rows.append((wrap, plan_overrides([*without_wrap(args.overrides), f"wrap={wrap}"]), None))
+        except ConfigurationError as exc:
+            rows.append((wrap, None, str(exc).strip("- \n")))
+    print(render_table(rows, est.wrap))
+    out = {"plan": est.to_dict(), "wraps": {w: e.to_dict() for w, e, _ in rows if e is not None}}
+    code = 0
+    budget_gb = OmegaConf.select(cfg, "plan.budget_gb")
+    if budget_gb:
+        choices, best = within_budget(args.overrides, budget_gb * GIB, plan_overrides)
+        print(f"\nplan.budget_gb={budget_gb:g}: per rank, {size(budget_gb * GIB)}")
+        for choice in choices:
+            verdict = ("fits" if choice.fits(budget_gb * GIB) else "too big") if choice.estimate else "cannot run"
+            need = size(choice.needs()) if choice.estimate else choice.error
+            print(f"  {verdict:<10} {choice.candidate.label:<36} {need}")
+        out["budget"] = {"budget_gb": budget_gb, "choices": [
+            {"label": c.candidate.label, "overrides": list(c.candidate.overrides), "fits": c.fits(budget_gb * GIB),
+             "needs_bytes": c.needs() if c.estimate else None, "error": c.error} for c in choices]}
+        if best is None:
+            smallest = min((c for c in choices if c.estimate), key=lambda c: c.needs(), default=None)
+            need = (f"; the smallest needs {size(smallest.needs())} ({' '.join(smallest.candidate.overrides)})"
+                    if smallest else "")
+            print(f"hydraddp.plan: plan.budget_gb={budget_gb:g}: nothing fits{need}. Raise the budget, add ranks "
+                  "(launcher.nproc_per_node, launcher.nnodes), or lower data.batch_size.", file=sys.stderr)
+            code = EXIT_INVALID
+        else:
+            out["budget"]["recommended"] = list(best.candidate.overrides)
+            print(f"recommended: {' '.join(best.candidate.overrides)}: {best.candidate.why}; peak "
+                  f"{size(best.estimate.peak_bytes)} of {size(budget_gb * GIB)}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``python -m hydraddp.plan``: the same config and validation as a launch, every wrap in one table, a budget that
+picks a combination which then runs within it, and a 1B-parameter model planned with no memory of that size."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+from tests.helpers.spawn import run_parallel, run_process
+
+GPT = ["model=gpt", "data=text", "task=causal_lm", "data.batch_size=32", "backend=gloo", "launcher.nproc_per_node=2"]
+
+
+def plan(*overrides: str, tmp_path, timeout: float = 120):
+    out = tmp_path / "plan.json"
+    launched = run_process([sys.executable, "-m", "hydraddp.plan", "--json", str(out), *overrides], timeout=timeout)
+    return launched, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_the_plan_shows_units_parts_and_every_wrap(tmp_path):
+    launched, planned = plan(*GPT, "wrap=fsdp2", "precision=bf16", tmp_path=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    assert "wrap plan: 5 FSDP units" in launched.stdout and "blocks.3" in launched.stdout
+    for part in ("parameters", "gradients", "optimizer state", "largest units gathered at once",
+                 "activations at the peak", "peak"):
+        assert f"  {part} " in launched.stdout, part
+    assert set(planned["wraps"]) == {"none", "ddp", "fsdp", "fsdp2"}
+    wraps = planned["wraps"]
+    # Sharding halves what each of 2 ranks keeps, to the byte (the GPT's sizes divide by 2).
+    assert wraps["fsdp2"]["param_bytes"] * 2 == wraps["ddp"]["param_bytes"]
+    assert wraps["fsdp2"]["optim_state_bytes"] < wraps["ddp"]["optim_state_bytes"]
+    assert wraps["fsdp2"]["peak_bytes"] < wraps["ddp"]["peak_bytes"]
+    assert "Warning" not in launched.stderr and "Traceback" not in launched.stderr
+
+
+def test_a_config_a_launch_refuses_exits_2_naming_the_key(tmp_path):
+    launched, planned = plan("model=mlp", "wrap=fsdp2", "trainer.activation_checkpointing=true", tmp_path=tmp_path)
+    assert launched.returncode == 2 and planned is None
+    # The launch's own words (a launch says it from rank 0, before training): the fix included.
+    assert "activation checkpointing works per block, and MLP declares none" in launched.stderr
+    assert "turn activation checkpointing off" in launched.stderr and "Traceback" not in launched.stderr
+    launched, _ = plan("wrap=fsdp3", tmp_path=tmp_path)
+    assert launched.returncode == 2 and "wrap" in launched.stderr and "Traceback" not in launched.stderr
+
+
+def test_a_budget_picks_a_combination_that_then_runs_within_it(tmp_path):
+    _, everything_fits = plan(*GPT, "plan.budget_gb=1000", tmp_path=tmp_path)
+    needs = {c["label"]: c["needs_bytes"] for c in everything_fits["budget"]["choices"]}
+    assert everything_fits["budget"]["recommended"] == ["wrap=ddp"], needs  # the fastest, when it fits
+    # Between what the checkpointed and the plain fsdp2 peaks need: only recomputing the activations fits.
+    budget_gb = (needs["fsdp2 + activation checkpointing"] + needs["fsdp2"]) / 2 / 1024**3
+    launched, planned = plan(*GPT, f"plan.budget_gb={budget_gb}", tmp_path=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    recommended = planned["budget"]["recommended"]
+    assert "trainer.activation_checkpointing=true" in recommended, planned["budget"]
+    assert "recommended:" in launched.stdout and "recomputed" in launched.stdout
+    steps = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false"]
+    ran = run_parallel("tests.plan.workers:measured", {"recommended": [*GPT, *steps, *recommended]},
+                       tmp_path=tmp_path, timeout=300)
+    measured = max(peak["peak_bytes"] for peak in ran[0]["recommended"]["tensor_peaks"])
+    assert measured <= budget_gb * 1024**3, (measured, planned["budget"])
+
+
+def test_a_budget_nothing_fits_exits_2_with_the_smallest_requirement(tmp_path):
+    launched, planned = plan(*GPT, "plan.budget_gb=0.001", tmp_path=tmp_path)
+    assert launched.returncode == 2
+    assert "plan.budget_gb=0.001: nothing fits; the smallest needs" in launched.stderr
+    smallest = min(c["needs_bytes"] for c in planned["budget"]["choices"] if c["needs_bytes"])
+    assert f"{smallest / 1024**2:.2f} MiB" in launched.stderr
+
+
+def test_a_1b_parameter_gpt_is_planned_with_no_memory_of_its_size(tmp_path):
+    one_b = ["model=gpt", "data=text", "task=causal_lm", "model.dim=2048", "model.depth=18", "model.heads=16",
+             "data.seq_len=512", "model.vocab_size=32000", "data.batch_size=4", "wrap=fsdp2", "backend=gloo"]
+    launched, planned = plan(*one_b, tmp_path=tmp_path, timeout=300)
+    assert launched.returncode == 0, launched.stderr
+    assert sum(u["numel"] for u in planned["plan"]["units"]) > 1.0e9
+    assert planned["wraps"]["ddp"]["param_bytes"] > 4e9  # 1.04B fp32 parameters, counted, not held
+    # The child's peak RSS (ru_maxrss of the waited-for children, in KiB): far below the 16 GiB the plan describes.
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 * 1024**2
