@@ -34,6 +34,13 @@ def eval_metrics(metrics: dict[str, float]) -> dict[str, float]:
 SHARDING_FIELDS = ("param_numel", "param_bytes", "grad_bytes", "optim_state_bytes")
 PEAK_MEMORY = "memory/peak_bytes"
 PEAK_TENSOR = "memory/peak_tensor_bytes"  # torch's tensor accounting over the second step (what the plan predicts)
+PLAN_FILE = "plan.json"  # in the job directory and as an artifact: the launch's plan (hydraddp/plan/estimate.py)
+PLAN_PARAMS = ("wrap", "world_size", "rank", "param_bytes", "grad_bytes", "optim_state_bytes", "unsharded_unit_bytes",
+               "activation_bytes", "temporary_bytes", "peak_bytes", "peak_margin_bytes", "batch_per_rank")
+# plan/error/<part>: (planned - measured) / measured, for rank 0, once the run has measured that part.
+PLAN_CHECKED = {"param_bytes": "sharding/param_bytes/rank0", "grad_bytes": "sharding/grad_bytes/rank0",
+                "optim_state_bytes": "sharding/optim_state_bytes/rank0", "peak_bytes": f"{PEAK_TENSOR}/rank0"}
+
 AGGREGATES = ("max", "min", "mean")
 
 REDACTED = "***redacted***"
@@ -120,3 +127,24 @@ def redact_overrides(overrides: list[str], secrets: Iterable[str] = ()) -> list[
             override = f"{key}={REDACTED}"
         out.append(override)
     return out
+
+
+def plan_params(plan: dict[str, Any]) -> dict[str, str]:
+    """The ``plan/*`` params of a run: the planned parts of rank 0, its unit count and why it may be off."""
+    if "error" in plan:
+        return {"plan/error": str(plan["error"])[:MAX_PARAM_LENGTH]}
+    params = {f"plan/{key}": str(plan[key]) for key in PLAN_PARAMS}
+    params["plan/units"] = str(len(plan["units"]))
+    params["plan/unsure"] = "; ".join(plan["unsure"])[:MAX_PARAM_LENGTH] or "no"
+    return params
+
+
+def plan_errors(plan: dict[str, Any], measured: dict[str, float]) -> dict[str, float] | None:
+    """``plan/error/<part>`` once every checked part was measured (``measured``: metric key -> value), else None."""
+    if "error" in plan or not all(key in measured for key in PLAN_CHECKED.values()):
+        return None
+    errors = {}
+    for part, key in PLAN_CHECKED.items():
+        real = measured[key]
+        errors[f"plan/error/{part}"] = (plan[part] - real) / real if real else float(plan[part] - real)
+    return errors

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,26 @@ def _yield_cpu() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
+PLAN_WAIT_S = 120.0  # at the end of a launch, how long its plan may still take
+
+
+def _plan(run: LaunchRun, config: dict[str, Any], world_size: int) -> None:
+    """The launch's plan, made here beside the workers (at nice 19, once the run exists), never in their way: written
+    to ``<job dir>/plan.json`` and handed to the run, which logs it and checks it against what the ranks measure."""
+    run._created.wait()
+    _yield_cpu()
+    try:
+        from omegaconf import OmegaConf
+
+        from hydraddp.plan.estimate import estimate
+
+        plan = estimate(OmegaConf.create(config), world_size).to_dict()
+    except Exception as exc:  # a model the simulated world cannot run: the run says so, and trains anyway
+        plan = {"error": f"not planned: {type(exc).__name__}: {exc}"}
+    (run.job_dir / names.PLAN_FILE).write_text(json.dumps(plan, indent=2))
+    run.plan = plan
+
+
 def main() -> int:
     import fcntl
 
@@ -111,11 +132,18 @@ def main() -> int:
     if settings.pop("adopt_run", False) and run_id_file.exists():
         # A restarted group continues the run of the first attempt, known for sure only now that its tracker is done.
         settings["run_id"] = run_id_file.read_text().strip()
+    plan_world = settings.pop("plan_world_size", None)
     run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
     run.start(once_created=_yield_cpu)
+    planning = threading.Thread(target=_plan, args=(run, settings["config"], plan_world), name="hydraddp-plan",
+                                daemon=True)
+    if plan_world:
+        planning.start()
     line = sys.stdin.readline()
     request = json.loads(line) if line.strip() else {
         "status": KILLED, "error": "the launching process ended without saying how the launch ended"}
+    if planning.is_alive():  # a launch shorter than its plan: the run gets its plan before it is closed
+        planning.join(PLAN_WAIT_S)
     ok = run.finish(request["status"], request.get("error"), request.get("timeout_s", 60.0))
     return 0 if ok else 1
 

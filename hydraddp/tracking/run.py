@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -29,6 +30,7 @@ SENT_OFFSET_FILE = "events.sent"
 # MLflow's documented limits for one log_batch request: 1000 metrics, 100 params, 100 tags, 1000 in all.
 MAX_METRICS, MAX_PARAMS, MAX_TAGS, MAX_ENTITIES = 1000, 100, 100, 1000
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+PLAN_CHECKED_KEYS = frozenset(names.PLAN_CHECKED.values())
 
 
 def default_uri(cwd: Path | None = None) -> str:
@@ -99,6 +101,12 @@ class LaunchRun:
         self._client: Any = None
         self._prior: Any = None  # a continued run as this launch found it
         self._active = False  # params, tags and status are this launch's
+        # The launch's plan (plan.json's content), set by the tracker's planning thread when it is ready; what the
+        # run measured of the parts it predicts; and how far its logging got.
+        self.plan: dict[str, Any] | None = None
+        self._measured: dict[str, float] = {}
+        self._measured_step = 0
+        self._plan_logged = self._plan_checked = False
 
     # -- the background thread -------------------------------------------------------------------
     def start(self, once_created: Callable[[], None] | None = None) -> None:
@@ -122,6 +130,8 @@ class LaunchRun:
             stopping = self._stop.is_set()
             try:
                 drained = self._send_pending()
+                if drained:
+                    self._log_plan()
             except Exception as exc:
                 if delay == 0.5:  # once per outage, not at every retry
                     log.warning("MLflow at %s unavailable (%s); points wait in %s and are sent when it is back",
@@ -204,6 +214,8 @@ class LaunchRun:
         for event, end in zip(events, ends):
             if "metric" in event:
                 key = event["metric"]
+                if key in PLAN_CHECKED_KEYS:
+                    self._measured[key], self._measured_step = event["value"], max(self._measured_step, event["step"])
                 if event["step"] > pending_steps.get(key, self._last_logged(key)):
                     metrics.append(Metric(key, event["value"], event["ts"], event["step"]))
                     pending_steps[key] = event["step"]
@@ -240,6 +252,25 @@ class LaunchRun:
             self._read_back_last_steps()  # a resume or a restart: the run may hold these steps already
         return self._last_step.setdefault(key, -1)
 
+    def _log_plan(self) -> None:
+        """The plan's params and plan.json once it is ready, then ``plan/error/*`` once the run has measured every part
+        it checks (run by the sending thread, and by ``finish`` for a plan that came late)."""
+        from mlflow.entities import Metric, Param
+
+        if self.plan is None or not self._active:
+            return
+        if not self._plan_logged:
+            existing = self._client.get_run(self.run_id).data.params  # a continued run keeps its first plan
+            params = [Param(k, v) for k, v in names.plan_params(self.plan).items() if k not in existing]
+            self._client.log_batch(self.run_id, params=params)
+            self._client.log_text(self.run_id, json.dumps(self.plan, indent=2), names.PLAN_FILE)
+            self._plan_logged = True
+        errors = None if self._plan_checked else names.plan_errors(self.plan, self._measured)
+        if errors:
+            now = int(time.time() * 1000)
+            self._client.log_batch(self.run_id, metrics=[Metric(k, v, now, self._measured_step) for k, v in errors.items()])
+            self._plan_checked = True
+
     # -- the end of the launch -------------------------------------------------------------------
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
         """Flush every event, upload artifacts, set ``status``. False (with a message) if the server never came back."""
@@ -260,6 +291,7 @@ class LaunchRun:
                 print(f"hydraddp: the launch ended ({status}) before its first step; MLflow run {self.run_id} "
                       f"keeps its status {self._prior.info.status}.", flush=True)
                 return True
+            self._log_plan()
             self._upload_artifacts(error)
             self._client.set_terminated(self.run_id, status)
             return True

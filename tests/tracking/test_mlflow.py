@@ -299,3 +299,20 @@ def test_tracking_run_id_continues_an_existing_run(mlflow_server, tmp_path):
     [run] = runs_of(mlflow_server, experiment)  # still one run
     assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
     assert len(mlflow_server.client().get_metric_history(run.info.run_id, names.LOSS)) == 6
+
+
+def test_every_run_records_its_plan_and_how_far_off_it_was(mlflow_server, ddp_and_fsdp2):
+    client = mlflow_server.client()
+    for wrap, run in ddp_and_fsdp2.items():
+        params, metrics = run.data.params, run.data.metrics
+        assert params["plan/wrap"] == wrap and params["plan/world_size"] == "2" and params["plan/unsure"] == "no"
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert names.PLAN_FILE in artifacts
+        plan = json.loads(open(client.download_artifacts(run.info.run_id, names.PLAN_FILE)).read())
+        assert int(params["plan/peak_bytes"]) == plan["peak_bytes"] > 0
+        # Exact where the bytes are exact, and the tensor peak to 10%.
+        for part in ("param_bytes", "grad_bytes", "optim_state_bytes"):
+            assert metrics[f"plan/error/{part}"] == 0.0, (wrap, part)
+            assert plan[part] == metrics[f"sharding/{part}/rank0"]
+        assert abs(metrics["plan/error/peak_bytes"]) <= 0.10, (wrap, metrics["plan/error/peak_bytes"])
+        assert metrics[f"{names.PEAK_TENSOR}/rank0"] > 0
