@@ -1,10 +1,15 @@
 """What one DDP gradient allreduce of the benchmark MLP costs on this machine, alone (the scaling ceiling).
 
-    .venv/bin/torchrun --nproc_per_node 2 benchmarks/allreduce_cost.py
+    .venv/bin/torchrun --nproc_per_node 2 benchmarks/allreduce_cost.py [--hidden 1024 1024 ...] [--out cost.json]
+
+With two ranks on two cores, no core is free for the allreduce to hide behind: a step costs its compute plus the
+allreduce's CPU time, so 2-rank DDP can reach at most t_step / (t_step + t_allreduce_cpu) of twice one rank's rate.
+benchmarks/run.py measures this in every round and reports each scaling figure against that ceiling.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -18,9 +23,13 @@ import workload  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, nargs="+", default=list(workload.HIDDEN))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    numel = sum(p.numel() for p in workload.model().parameters())
+    numel = sum(p.numel() for p in workload.model(args.hidden).parameters())
     grads = torch.randn(numel)
     for _ in range(5):
         dist.all_reduce(grads)
@@ -32,6 +41,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{numel:,} fp32 gradients ({numel * 4 / 2**20:.1f} MiB): one allreduce takes {wall * 1e3:.2f} ms "
               f"and {cpu * 1e3:.2f} ms of this rank's CPU")
+        if args.out:
+            workload.write_result(args.out, {"numel": numel, "wall_s": wall, "cpu_s": cpu})
     dist.barrier()
     dist.destroy_process_group()
 

@@ -4,7 +4,9 @@
     OMP_NUM_THREADS=1 python benchmarks/plain_torchrun.py --wrap none --out result.json   # one process
 
 ``--units linear`` puts one ``fully_shard`` on every Linear (then the root), the usual hand-written FSDP2;
-``--units root`` one ``fully_shard`` on the whole model.
+``--units root`` one ``fully_shard`` on the whole model; ``--units blocks`` one on each decoder layer (``--model hf``).
+``--bucket-view`` is hydraddp's DDP argument (``gradient_as_bucket_view=True``): with it the two run the same DDP.
+``--model hf`` trains the Hugging Face Llama of workload.HF_SIZES on token dicts instead of the MLP on the digits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import workload  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=["none", "ddp", "fsdp2"], default="ddp")
-    parser.add_argument("--units", choices=["root", "linear"], default="root")
+    parser.add_argument("--units", choices=["root", "linear", "blocks"], default="root")
+    parser.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True), as hydraddp")
+    parser.add_argument("--model", choices=["mlp", "hf"], default="mlp")
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, nargs="+", default=list(workload.HIDDEN))
@@ -39,9 +43,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
-    model = workload.model(args.hidden)
+    hf = args.model == "hf"
+    model = workload.hf_model() if hf else workload.model(args.hidden)
     if args.wrap == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=args.bucket_view)
     elif args.wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -49,13 +54,17 @@ def main() -> None:
             for layer in model:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer)
+        if args.units == "blocks":
+            for layer in model.model.layers:
+                fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.LR, weight_decay=workload.WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    data = workload.train_set()
+    data = workload.hf_train_set() if hf else workload.train_set()
+    batch_per_rank = workload.HF_BATCH_PER_RANK if hf else workload.BATCH_PER_RANK
     sampler = DistributedSampler(data, shuffle=True, seed=workload.SEED, drop_last=True) if distributed else \
         RandomSampler(data, generator=torch.Generator().manual_seed(workload.SEED))
-    loader = DataLoader(data, batch_size=workload.BATCH_PER_RANK, sampler=sampler, drop_last=True)
+    loader = DataLoader(data, batch_size=batch_per_rank, sampler=sampler, drop_last=True)
 
     def batches():
         epoch = 0
@@ -68,14 +77,20 @@ def main() -> None:
     clock, loss_value = workload.StepClock(args.steps), float("nan")
     stream = batches()
     for step in range(1, args.steps + 1):
-        inputs, targets = next(stream)
-        loss = F.cross_entropy(model(inputs), targets)
+        batch = next(stream)
+        if hf:
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            samples = batch["input_ids"].shape[0]
+        else:
+            inputs, targets = batch
+            loss = F.cross_entropy(model(inputs), targets)
+            samples = inputs.shape[0]
         optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), workload.GRAD_CLIP)
         optimizer.step()
         scheduler.step()
-        clock.step_done(step, inputs.shape[0] * world)
+        clock.step_done(step, samples * world)
         if step % args.log_every == 0 or step == args.steps:
             mean = loss.detach().clone()
             if distributed:

@@ -1,4 +1,4 @@
-"""Measure hydraddp side by side with a plain torchrun script and PyTorch-Ignite, and print the ratios.
+"""Measure hydraddp side by side with a plain torchrun script, PyTorch-Ignite and Lightning Fabric, and print the ratios.
 
     .venv/bin/python benchmarks/run.py            # about 12 minutes on 2 cores; writes results.json, RESULTS.md
     .venv/bin/python benchmarks/run.py --pairs 7  # more rounds
@@ -44,10 +44,11 @@ class Settings:
     hidden: tuple[int, ...] = workload.HIDDEN
     big_hidden: tuple[int, ...] = BIG_HIDDEN
     big_steps: int = 3
+    hf_steps: int = 60
     import_pairs: int = 10
 
 
-SMOKE = Settings(pairs=1, steps=12, hidden=(32, 32), big_hidden=(64, 64), big_steps=2, import_pairs=1)
+SMOKE = Settings(pairs=1, steps=12, hidden=(32, 32), big_hidden=(64, 64), big_steps=2, hf_steps=12, import_pairs=1)
 
 
 @dataclass
@@ -98,14 +99,42 @@ def plain_variant(name: str, what: str, settings: Settings, *args: str, nproc: i
     return Variant(name, what, command, lambda run_dir: run_dir / "result.json", env or {})
 
 
-def ignite_variant(settings: Settings) -> Variant:
+def peer_variant(name: str, what: str, script: str, settings: Settings) -> Variant:
+    """A framework peer (ignite, Fabric): its own launcher, the workload, hydraddp's DDP arguments."""
     def command(run_dir: Path) -> list[str]:
-        return [PYTHON, str(HERE / "ignite_train.py"), "--nproc", str(NPROC), "--steps", str(settings.steps),
+        return [PYTHON, str(HERE / script), "--nproc", str(NPROC), "--steps", str(settings.steps),
                 "--hidden", *map(str, settings.hidden), "--out", str(run_dir / "result.json")]
 
-    # torchrun's rule, which ignite's spawn does not apply: without it two ranks fight over each core.
-    return Variant("ignite-ddp", "PyTorch-Ignite Parallel + auto_model (DDP)", command,
-                   lambda run_dir: run_dir / "result.json", {"OMP_NUM_THREADS": "1"})
+    # torchrun's rule, which neither ignite's spawn nor Fabric's launcher applies: without it two ranks fight over
+    # each core.
+    return Variant(name, what, command, lambda run_dir: run_dir / "result.json", {"OMP_NUM_THREADS": "1"})
+
+
+def hf_variants(settings: Settings) -> list[Variant]:
+    """The Hugging Face Llama (workload.HF_SIZES) under ddp and fsdp2: hydraddp's model=hf_causal_lm, and the plain
+    script building the same model through transformers, with the same DDP arguments and FSDP2 units."""
+    sizes = [f"model.{key}={value}" for key, value in workload.HF_SIZES.items()]
+    batch = f"data.batch_size={workload.HF_BATCH_PER_RANK * NPROC}"
+
+    def hydraddp_hf(wrap: str) -> Variant:
+        def command(run_dir: Path) -> list[str]:
+            return [PYTHON, "-m", "hydraddp", f"hydra.run.dir={run_dir}", f"launcher.nproc_per_node={NPROC}",
+                    "model=hf_causal_lm", *sizes, batch, f"trainer.max_steps={settings.hf_steps}", "trainer.eval_every=0",
+                    f"wrap={wrap}", "tracking.enabled=false"]
+
+        return Variant(f"hydraddp-hf-{wrap}", f"hydraddp model=hf_causal_lm wrap={wrap}", command,
+                       lambda run_dir: run_dir / "result.json")
+
+    def plain_hf(wrap: str, *args: str) -> Variant:
+        def command(run_dir: Path) -> list[str]:
+            return [TORCHRUN, f"--nproc_per_node={NPROC}", str(HERE / "plain_torchrun.py"), "--model", "hf",
+                    "--steps", str(settings.hf_steps), "--wrap", wrap, *args, "--out", str(run_dir / "result.json")]
+
+        return Variant(f"plain-hf-{wrap}", f"plain script, transformers Llama, {wrap}", command,
+                       lambda run_dir: run_dir / "result.json")
+
+    return [hydraddp_hf("ddp"), plain_hf("ddp", "--bucket-view"), hydraddp_hf("fsdp2"),
+            plain_hf("fsdp2", "--units", "blocks")]
 
 
 def groups(settings: Settings, db_uri: str) -> dict[str, list[Variant]]:
@@ -115,9 +144,14 @@ def groups(settings: Settings, db_uri: str) -> dict[str, list[Variant]]:
     one_thread = {"OMP_NUM_THREADS": "1"}
     return {
         "ddp": [
-            plain_variant("plain-ddp", "plain torchrun script, DDP", settings, "--wrap", "ddp"),
-            ignite_variant(settings),
+            # Every peer gets hydraddp's DDP arguments (gradient_as_bucket_view): the ratios measure frameworks.
+            plain_variant("plain-ddp", "plain torchrun script, DDP(gradient_as_bucket_view=True)", settings,
+                          "--wrap", "ddp", "--bucket-view"),
+            peer_variant("ignite-ddp", "PyTorch-Ignite Parallel + auto_model (DDP)", "ignite_train.py", settings),
+            peer_variant("fabric-ddp", "Lightning Fabric, DDPStrategy", "fabric_train.py", settings),
             hydraddp_variant("hydraddp-ddp", "hydraddp wrap=ddp, tracking off", settings, "wrap=ddp", off),
+            hydraddp_variant("hydraddp-ddp-no-bucket-view", "hydraddp wrap=ddp without its default bucket view",
+                             settings, "wrap=ddp", "wrap.kwargs.gradient_as_bucket_view=false", off),
             hydraddp_variant("hydraddp-ddp-mlflow", "hydraddp ddp, MLflow (database exists), logging every step",
                              settings, "wrap=ddp", *every_step),
             hydraddp_variant("hydraddp-ddp-mlflow-fresh", "hydraddp ddp, MLflow into a new database, every step",
@@ -135,6 +169,7 @@ def groups(settings: Settings, db_uri: str) -> dict[str, list[Variant]]:
                           "fsdp2", "--units", "linear"),
             hydraddp_variant("hydraddp-fsdp", "hydraddp wrap=fsdp (FSDP1)", settings, "wrap=fsdp", off),
         ],
+        "hf": hf_variants(settings),
         "memory": [
             hydraddp_variant(f"hydraddp-{wrap}-100M", f"hydraddp wrap={wrap}, ~100M-parameter MLP", settings,
                              f"wrap={wrap}", off, "trainer.log_every=1", hidden=settings.big_hidden,
@@ -158,6 +193,14 @@ def measure(variant: Variant, work: Path) -> Measurement:
     shards = [r["param_bytes"] + r["grad_bytes"] + r["optim_state_bytes"] for r in result.get("reports", [])]
     return Measurement(result["first_step_at"] - began, wall, result["steady_samples_per_s"],
                        result["peak_memory_bytes"], shards, result["final_loss"])
+
+
+def allreduce_cpu_s(settings: Settings, work: Path) -> float:
+    """One DDP gradient allreduce of the workload's MLP, alone: this rank's CPU seconds (benchmarks/allreduce_cost.py)."""
+    out = work / "allreduce.json"
+    subprocess.run([TORCHRUN, f"--nproc_per_node={NPROC}", str(HERE / "allreduce_cost.py"), "--hidden",
+                    *map(str, settings.hidden), "--out", str(out)], cwd=work, check=True, capture_output=True)
+    return json.loads(out.read_text())["cpu_s"]
 
 
 def import_seconds(statement: str) -> float:
@@ -205,7 +248,14 @@ class Figure:
         return "met" if ok else "MISSED"
 
 
-def figures(r: dict[str, list[Measurement]], imports: dict[str, list[float]]) -> list[Figure]:
+def ceilings(r: dict[str, list[Measurement]], allreduce_s: list[float], one: str) -> list[float]:
+    """Per round, the scaling 2 ranks on 2 cores can reach: one-thread step time / (that + the allreduce's CPU)."""
+    return [(workload.BATCH_PER_RANK / m.steady_samples_per_s) /
+            (workload.BATCH_PER_RANK / m.steady_samples_per_s + cost) for m, cost in zip(r.get(one, []), allreduce_s)]
+
+
+def figures(r: dict[str, list[Measurement]], imports: dict[str, list[float]],
+            allreduce_s: list[float] | None = None) -> list[Figure]:
     def per_round(a: str, b: str, fa: Callable, fb: Callable | None = None) -> list[float]:
         return [fa(x) / (fb or fa)(y) for x, y in zip(r.get(a, []), r.get(b, []))]
 
@@ -218,17 +268,34 @@ def figures(r: dict[str, list[Measurement]], imports: dict[str, list[float]]) ->
         Figure("steady_fsdp2", "samples/s, fsdp2 (same units): hydraddp / plain", ">= 0.99",
                per_round("hydraddp-fsdp2", "plain-fsdp2-root", steady)),
         Figure("steady_ignite", "samples/s, ddp: ignite / plain", "", per_round("ignite-ddp", "plain-ddp", steady)),
-        Figure("startup_mlflow", "start to 1st step: hydraddp+MLflow (db exists) / plain", "<= 1.10",
+        Figure("steady_fabric", "samples/s, ddp: Lightning Fabric / plain", "",
+               per_round("fabric-ddp", "plain-ddp", steady)),
+        Figure("steady_hf_ddp", "samples/s, HF Llama ddp: hydraddp / plain", ">= 0.99",
+               per_round("hydraddp-hf-ddp", "plain-hf-ddp", steady)),
+        Figure("steady_hf_fsdp2", "samples/s, HF Llama fsdp2 (same units): hydraddp / plain", ">= 0.99",
+               per_round("hydraddp-hf-fsdp2", "plain-hf-fsdp2", steady)),
+        Figure("default_bucket_view", "samples/s, hydraddp's default: ddp with bucket view / without", "",
+               per_round("hydraddp-ddp", "hydraddp-ddp-no-bucket-view", steady)),
+        Figure("startup_mlflow", "start to 1st step: hydraddp+MLflow+plan (db exists) / plain", "<= 1.00",
                per_round("hydraddp-ddp-mlflow", "plain-ddp", startup)),
         Figure("startup_fresh_db", "start to 1st step: hydraddp+MLflow (new db) / plain", "",
                per_round("hydraddp-ddp-mlflow-fresh", "plain-ddp", startup)),
         Figure("startup_off", "start to 1st step: hydraddp, tracking off / plain", "",
                per_round("hydraddp-ddp", "plain-ddp", startup)),
         Figure("startup_ignite", "start to 1st step: ignite / plain", "", per_round("ignite-ddp", "plain-ddp", startup)),
+        Figure("startup_fabric", "start to 1st step: Lightning Fabric / plain", "",
+               per_round("fabric-ddp", "plain-ddp", startup)),
         Figure("scaling_hydraddp", "ddp scaling: hydraddp 2 ranks / (2 x 1 proc, 1 thread)", ">= 0.92",
                per_round("hydraddp-ddp", "hydraddp-1proc", steady, lambda m: 2 * m.steady_samples_per_s)),
         Figure("scaling_plain", "ddp scaling: plain 2 ranks / (2 x 1 proc, 1 thread)", "",
                per_round("plain-ddp", "plain-1proc", steady, lambda m: 2 * m.steady_samples_per_s)),
+        Figure("scaling_hydraddp_ceiling", "ddp scaling: hydraddp / the allreduce's ceiling", ">= 0.95",
+               [a / c for a, c in zip(per_round("hydraddp-ddp", "hydraddp-1proc", steady,
+                                                 lambda m: 2 * m.steady_samples_per_s),
+                                       ceilings(r, allreduce_s or [], "hydraddp-1proc"))]),
+        Figure("scaling_plain_ceiling", "ddp scaling: plain / the allreduce's ceiling", "",
+               [a / c for a, c in zip(per_round("plain-ddp", "plain-1proc", steady, lambda m: 2 * m.steady_samples_per_s),
+                                       ceilings(r, allreduce_s or [], "plain-1proc"))]),
         Figure("fsdp2_autowrap", "samples/s: hydraddp fsdp2 default / fully_shard per Linear", ">= 1.2",
                per_round("hydraddp-fsdp2", "plain-fsdp2-linear", steady)),
         Figure("shard_fsdp2", "p+g+optim bytes per rank: fsdp2 / ddp", "<= 0.51",
@@ -321,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds = settings.pairs if name != "memory" else min(settings.pairs, 2)
             log(f"{name}: {len(variants)} variants x {rounds} rounds")
             results.update(run_rounds(variants, rounds, work, log))
+        allreduce_s = [allreduce_cpu_s(settings, work) for _ in range(settings.pairs if "plain-1proc" in results else 0)]
         imports: dict[str, list[float]] = {name: [] for name in IMPORTS}
         for index in range(settings.import_pairs if not only or "imports" in only else 0):
             for name, statement in (IMPORTS.items() if index % 2 == 0 else reversed(IMPORTS.items())):
@@ -328,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    figs = figures(results, imports)
+    figs = figures(results, imports, allreduce_s)
     info = machine()
     header = (f"Measured {info['date']} on {info['cpu']} ({info['cores']} cores), Python {info['python']}, "
               f"torch {info['torch']}, hydraddp {info['commit']}; CPU, gloo, {NPROC} ranks; "
@@ -343,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures": [{"key": f.key, "label": f.label, "target": f.target, "verdict": f.verdict(),
                      **spread(f.ratios), "ratios": f.ratios} for f in figs],
         "variants": {name: [m.__dict__ for m in ms] for name, ms in results.items()},
-        "imports_s": imports,
+        "imports_s": imports, "allreduce_cpu_s": allreduce_s,
     }, indent=1))
     if args.markdown is not None:
         update_markdown(args.markdown, text)

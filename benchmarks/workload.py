@@ -18,6 +18,12 @@ BATCH_PER_RANK = 64
 LR, WEIGHT_DECAY, GRAD_CLIP, SEED = 0.003, 0.01, 1.0, 0
 WARMUP_STEPS = 10  # as hydraddp.train.metrics.WARMUP_STEPS
 
+# The Hugging Face workload: a Llama from its config (model=hf_causal_lm), on the generated text as token dicts
+# (data=tokens), 16 sequences of 64 tokens per rank; FSDP units are its decoder layers.
+HF_SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+HF_BATCH_PER_RANK = 16
+
 # The GPU benchmark's GPT (about 150M parameters) on generated text, bf16.
 GPT_SHAPE = {"dim": 1024, "depth": 12, "heads": 16, "seq_len": 512, "batch_per_gpu": 16, "num_chars": 4_000_000}
 
@@ -30,6 +36,22 @@ def model(hidden=HIDDEN):
 
     torch.manual_seed(SEED)
     return MLP(in_features=64, hidden=list(hidden), num_classes=10)
+
+
+def hf_model():
+    """The module hydraddp builds for model=hf_causal_lm with HF_SIZES (identical initialization under the seed)."""
+    import torch
+
+    from hydraddp.models.hf import causal_lm
+
+    torch.manual_seed(SEED)
+    return causal_lm("llama", vocab_size=128, max_position_embeddings=512, tie_word_embeddings=False, **HF_SIZES)
+
+
+def hf_train_set():
+    from hydraddp.data.text import token_dicts
+
+    return token_dicts(seq_len=64, num_chars=200000, seed=0)[0]
 
 
 def train_set():

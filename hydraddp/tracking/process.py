@@ -27,7 +27,7 @@ from typing import Any
 
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE
-from hydraddp.tracking.run import KILLED, LaunchRun
+from hydraddp.tracking.run import FINISHED, KILLED, LaunchRun
 
 
 class TrackerProcess:
@@ -142,7 +142,9 @@ def main() -> int:
     line = sys.stdin.readline()
     request = json.loads(line) if line.strip() else {
         "status": KILLED, "error": "the launching process ended without saying how the launch ended"}
-    if planning.is_alive():  # a launch shorter than its plan: the run gets its plan before it is closed
+    if planning.is_alive() and request["status"] == FINISHED:
+        # A launch shorter than its plan gets its plan before the run is closed. One that failed or was stopped
+        # does not wait: the next attempt's tracker (a restart under torchrun) waits for this one's lock.
         planning.join(PLAN_WAIT_S)
     ok = run.finish(request["status"], request.get("error"), request.get("timeout_s", 60.0))
     return 0 if ok else 1

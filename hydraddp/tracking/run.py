@@ -291,7 +291,10 @@ class LaunchRun:
                 print(f"hydraddp: the launch ended ({status}) before its first step; MLflow run {self.run_id} "
                       f"keeps its status {self._prior.info.status}.", flush=True)
                 return True
-            self._log_plan()
+            try:
+                self._log_plan()
+            except Exception as exc:  # the plan is the run's extra: it never costs the run its status
+                log.warning("the launch's plan was not logged (%s)", exc)
             self._upload_artifacts(error)
             self._client.set_terminated(self.run_id, status)
             return True
