@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload  # noqa: E402
@@ -62,15 +62,15 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     data = workload.hf_train_set() if hf else workload.train_set()
     batch_per_rank = workload.HF_BATCH_PER_RANK if hf else workload.BATCH_PER_RANK
-    sampler = DistributedSampler(data, shuffle=True, seed=workload.SEED, drop_last=True) if distributed else \
-        RandomSampler(data, generator=torch.Generator().manual_seed(workload.SEED))
+    # One process reads the same order as hydraddp's one process: a one-replica DistributedSampler (a RandomSampler
+    # drew another order, which trained to other losses at another speed: not the same work).
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=workload.SEED, drop_last=True)
     loader = DataLoader(data, batch_size=batch_per_rank, sampler=sampler, drop_last=True)
 
     def batches():
         epoch = 0
         while True:
-            if distributed:
-                sampler.set_epoch(epoch)
+            sampler.set_epoch(epoch)
             yield from loader
             epoch += 1
 

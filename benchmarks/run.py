@@ -44,7 +44,7 @@ class Settings:
     hidden: tuple[int, ...] = workload.HIDDEN
     big_hidden: tuple[int, ...] = BIG_HIDDEN
     big_steps: int = 3
-    hf_steps: int = 60
+    hf_steps: int = 40
     import_pairs: int = 10
 
 
@@ -320,8 +320,11 @@ def machine() -> dict[str, str]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    # A measurement of uncommitted code names no commit: tests/test_benchmarks.py then refuses the results.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "hydraddp", "benchmarks", ":!benchmarks/RESULTS.md",
+                            ":!benchmarks/results.json"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "commit": commit.stdout.strip(),
+            "platform": platform.platform(), "commit": commit.stdout.strip() + ("-dirty" if dirty else ""),
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 

@@ -2,6 +2,8 @@
 machines are shared and noisy; benchmarks/run.py measures it side by side (benchmarks/RESULTS.md)."""
 
 import json
+import re
+import subprocess
 import sys
 
 import pytest
@@ -9,9 +11,11 @@ import pytest
 from benchmarks.run import BEGIN, END
 from tests.helpers.spawn import REPO, run_process
 
-FIGURES = {"steady_ddp", "steady_fsdp2", "steady_ignite", "startup_mlflow", "startup_fresh_db", "startup_off",
-           "startup_ignite", "scaling_hydraddp", "scaling_plain", "fsdp2_autowrap", "shard_fsdp2", "shard_fsdp",
-           "peak_rss_100m", "logging_cost", "import_cost", "import_core"}
+FIGURES = {"steady_ddp", "steady_fsdp2", "steady_ignite", "steady_fabric", "steady_hf_ddp", "steady_hf_fsdp2",
+           "default_bucket_view", "startup_mlflow", "startup_fresh_db", "startup_off", "startup_ignite",
+           "startup_fabric", "scaling_hydraddp", "scaling_plain", "scaling_hydraddp_ceiling", "scaling_plain_ceiling",
+           "fsdp2_autowrap", "shard_fsdp2", "shard_fsdp", "peak_rss_100m", "logging_cost", "import_cost",
+           "import_core"}
 
 
 def test_the_harness_measures_every_figure_and_the_peers_train_the_same_model(tmp_path):
@@ -32,11 +36,28 @@ def test_the_harness_measures_every_figure_and_the_peers_train_the_same_model(tm
     # The peers are the same training: same model, data, seed and optimizer give the same final loss.
     variants = report["variants"]
     hydraddp_loss = variants["hydraddp-ddp"][0]["final_loss"]
-    for peer in ("plain-ddp", "ignite-ddp"):
+    for peer in ("plain-ddp", "ignite-ddp", "fabric-ddp", "hydraddp-ddp-no-bucket-view"):
         assert variants[peer][0]["final_loss"] == pytest.approx(hydraddp_loss, rel=1e-4), peer
-    assert variants["plain-fsdp2-root"][0]["final_loss"] == pytest.approx(
-        variants["hydraddp-fsdp2"][0]["final_loss"], rel=1e-4)
+    for ours, plain in (("hydraddp-fsdp2", "plain-fsdp2-root"), ("hydraddp-1proc", "plain-1proc"),
+                        ("hydraddp-hf-ddp", "plain-hf-ddp"), ("hydraddp-hf-fsdp2", "plain-hf-fsdp2")):
+        # The same work on both sides: the one-process baselines too (they once read different sample orders).
+        assert variants[plain][0]["final_loss"] == pytest.approx(variants[ours][0]["final_loss"], rel=1e-4), ours
     # RESULTS.md: the generated block is replaced, the hand-written text around it kept.
     text = markdown.read_text()
     assert "written by hand" in text and "analysis by hand" in text and "old table" not in text
     assert "| figure | target | min | median | max |" in text
+
+
+def test_results_md_was_measured_at_the_code_it_describes():
+    """RESULTS.md names the commit it measured; no change to hydraddp/ or benchmarks/ may have landed since (the
+    results themselves aside). After such a change: rerun benchmarks/run.py and commit what it writes."""
+    header = next(line for line in (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
+                  if line.startswith("Measured "))
+    commit = re.search(r"hydraddp ([0-9a-f]{7,40});", header)
+    assert commit, f"RESULTS.md names no clean commit it measured: {header!r}"
+    git = lambda *args: subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)  # noqa: E731
+    if git("cat-file", "-e", f"{commit.group(1)}^{{commit}}").returncode != 0:
+        pytest.skip("no git history here to compare against (a source distribution)")
+    changed = git("diff", "--name-only", commit.group(1), "HEAD", "--", "hydraddp", "benchmarks",
+                  ":!benchmarks/RESULTS.md", ":!benchmarks/results.json").stdout.split()
+    assert not changed, f"RESULTS.md measured {commit.group(1)}; since then these changed: {changed}"

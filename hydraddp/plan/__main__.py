@@ -71,6 +71,8 @@ def render_table(rows: list[tuple[str, Estimate | None, str | None]], current: s
              f"  {'wrap':<8}{'params':>12}{'grads':>12}{'optim':>12}{'activations':>13}{'peak':>12}"]
     for wrap, est, error in rows:
         mark = "  <- this config" if wrap == current else ""
+        if est is not None and est.peak_margin_bytes:
+            mark += f"  (may be up to {size(est.peak_margin_bytes)} more: {est.unsure[0].split(':')[0]})"
         if est is None:
             lines.append(f"  {wrap:<8}  cannot run: {error}")
             continue

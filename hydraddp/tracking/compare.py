@@ -13,7 +13,8 @@ from typing import Any
 from hydraddp.tracking import names
 from hydraddp.tracking.run import default_uri, mlflow_client
 
-COLUMNS = ("wrap", "precision", "world", "samples/s", "max rank p+g+o MB", "peak mem MB", "final loss", "status")
+COLUMNS = ("wrap", "precision", "world", "samples/s", "max rank p+g+o MB", "peak mem MB", "planned peak MiB",
+           "tensor peak MiB", "plan error", "final loss", "status")
 
 
 def find_runs(client: Any, target: str) -> list[Any]:
@@ -57,6 +58,10 @@ def row(run: Any) -> dict[str, Any]:
         "samples/s": metrics.get(names.SAMPLES_PER_S),
         "max rank p+g+o MB": max(per_rank_state) / 1e6 if per_rank_state else None,
         "peak mem MB": metrics[f"{names.PEAK_MEMORY}/max"] / 1e6 if f"{names.PEAK_MEMORY}/max" in metrics else None,
+        # The plan of rank 0 against what rank 0 measured over the second step (hydraddp/plan/).
+        "planned peak MiB": int(run.data.params["plan/peak_bytes"]) / 2**20 if "plan/peak_bytes" in run.data.params else None,
+        "tensor peak MiB": metrics[f"{names.PEAK_TENSOR}/rank0"] / 2**20 if f"{names.PEAK_TENSOR}/rank0" in metrics else None,
+        "plan error": f"{metrics['plan/error/peak_bytes']:+.1%}" if "plan/error/peak_bytes" in metrics else None,
         "final loss": metrics.get(names.LOSS),
         "status": run.info.status,
     }

@@ -113,8 +113,12 @@ def test_compare_prints_the_table_and_writes_the_plots(mlflow_server, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         header, *rows = done.stdout.splitlines()[:3]
         assert header.split() == ["wrap", "precision", "world", "samples/s", "max", "rank", "p+g+o", "MB",
-                                  "peak", "mem", "MB", "final", "loss", "status"]
+                                  "peak", "mem", "MB", "planned", "peak", "MiB", "tensor", "peak", "MiB", "plan",
+                                  "error", "final", "loss", "status"]
         assert sorted(row.split()[0] for row in rows) == ["ddp", "fsdp"]
+        for row in rows:  # planned against measured, and how far off: within 10% here
+            planned, measured, error = row.split()[6:9]
+            assert float(planned) > 0 and float(measured) > 0 and abs(float(error.rstrip("%"))) <= 10, row
         for png in ("loss_curves.png", "memory_per_rank.png"):
             assert (tmp_path / target / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
