@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import DDPStrategy
-from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
