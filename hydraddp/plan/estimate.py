@@ -95,6 +95,7 @@ def _first_batch(cfg: DictConfig) -> Any:
 
     with unset_fake_temporarily():
         train_set, _ = instantiate(cfg.data.dataset, "data.dataset")
+        # num_workers=0: one batch needs no loader processes.
         return next(iter(data.train_loader(train_set, cfg.data.batch_size, 0, cfg.trainer.seed)))
 
 

@@ -102,7 +102,7 @@ PLAN_WAIT_S = 120.0  # at the end of a launch, how long its plan may still take
 def _plan(run: LaunchRun, config: dict[str, Any], world_size: int) -> None:
     """The launch's plan, made here beside the workers (at nice 19, once the run exists), never in their way: written
     to ``<job dir>/plan.json`` and handed to the run, which logs it and checks it against what the ranks measure."""
-    run._created.wait()
+    run.wait_created()
     _yield_cpu()
     try:
         from omegaconf import OmegaConf

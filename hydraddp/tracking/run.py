@@ -108,6 +108,10 @@ class LaunchRun:
         self._measured_step = 0
         self._plan_logged = self._plan_checked = False
 
+    def wait_created(self) -> None:
+        """Until the run exists on the server (or forever, if it never does: callers are daemon threads)."""
+        self._created.wait()
+
     # -- the background thread -------------------------------------------------------------------
     def start(self, once_created: Callable[[], None] | None = None) -> None:
         """Create the run and send the events in a thread; it calls ``once_created`` when the run exists."""
