@@ -12,6 +12,7 @@ start, and for a budget nothing fits.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -33,13 +34,18 @@ def size(nbytes: float) -> str:
 
 def plan_overrides(overrides: list[str]) -> Estimate:
     """Compose and validate as a launch does, then estimate rank 0. Raises ConfigurationError for a config that would
-    not start."""
+    not start. The table and the budget ask for some configs twice: each is planned once."""
+    return _planned(tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _planned(overrides: tuple[str, ...]) -> Estimate:
     from hydraddp.config.compose import compose
     from hydraddp.config.validate import combination_of, problems, resolve_backend, world_size
     from hydraddp.distributed.compat import ConfigurationError
     from hydraddp.plan.estimate import estimate
 
-    cfg = compose(overrides)
+    cfg = compose(list(overrides))
     cfg.backend.name = resolve_backend(cfg.backend.name)
     found = problems(cfg, combination_of(cfg))
     if found:
@@ -81,6 +87,42 @@ def render_table(rows: list[tuple[str, Estimate | None, str | None]], current: s
     return "\n".join(lines)
 
 
+def every_wrap(overrides: list[str], est: Estimate) -> list[tuple[str, Estimate | None, str | None]]:
+    """(wrap, its estimate or None, why it cannot run) for every wrap, at the config's other settings."""
+    from hydraddp.distributed.compat import ConfigurationError
+
+    rows = []
+    for wrap in WRAPS:
+        try:
+            other = est if wrap == est.wrap else plan_overrides([*without_wrap(overrides), f"wrap={wrap}"])
+            rows.append((wrap, other, None))
+        except ConfigurationError as exc:
+            rows.append((wrap, None, str(exc).strip("- \n")))
+    return rows
+
+
+def budget(overrides: list[str], budget_gb: float, out: dict) -> int:
+    """Print what fits ``budget_gb`` per rank and the one to use (into ``out`` too); exit 2 when nothing fits."""
+    choices, best = within_budget(overrides, budget_gb * GIB, plan_overrides)
+    print(f"\nplan.budget_gb={budget_gb:g}: per rank, {size(budget_gb * GIB)}")
+    for choice in choices:
+        verdict = ("fits" if choice.fits(budget_gb * GIB) else "too big") if choice.estimate else "cannot run"
+        print(f"  {verdict:<10} {choice.candidate.label:<36} {size(choice.needs()) if choice.estimate else choice.error}")
+    out["budget"] = {"budget_gb": budget_gb, "choices": [
+        {"label": c.candidate.label, "overrides": list(c.candidate.overrides), "fits": c.fits(budget_gb * GIB),
+         "needs_bytes": c.needs() if c.estimate else None, "error": c.error} for c in choices]}
+    if best is None:
+        smallest = min((c for c in choices if c.estimate), key=lambda c: c.needs(), default=None)
+        need = f"; the smallest needs {size(smallest.needs())} ({' '.join(smallest.candidate.overrides)})" if smallest else ""
+        print(f"hydraddp.plan: plan.budget_gb={budget_gb:g}: nothing fits{need}. Raise the budget, add ranks "
+              "(launcher.nproc_per_node, launcher.nnodes), or lower data.batch_size.", file=sys.stderr)
+        return EXIT_INVALID
+    out["budget"]["recommended"] = list(best.candidate.overrides)
+    print(f"recommended: {' '.join(best.candidate.overrides)}: {best.candidate.why}; peak "
+          f"{size(best.estimate.peak_bytes)} of {size(budget_gb * GIB)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hydraddp.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the plan here, as JSON")
@@ -107,40 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     print(render(est, str(cfg.model.get("_target_", "?"))))
     for warning in precision_warnings(cfg.precision.name, 0, cpu_has_fast_bf16()):
         print(f"  warning: {warning}")
-    rows = []
-    for wrap in WRAPS:
-        if wrap == est.wrap:
-            rows.append((wrap, est, None))
-            continue
-        try:
-            rows.append((wrap, plan_overrides([*without_wrap(args.overrides), f"wrap={wrap}"]), None))
-        except ConfigurationError as exc:
-            rows.append((wrap, None, str(exc).strip("- \n")))
+    rows = every_wrap(args.overrides, est)
     print(render_table(rows, est.wrap))
     out = {"plan": est.to_dict(), "wraps": {w: e.to_dict() for w, e, _ in rows if e is not None}}
-    code = 0
     budget_gb = OmegaConf.select(cfg, "plan.budget_gb")
-    if budget_gb:
-        choices, best = within_budget(args.overrides, budget_gb * GIB, plan_overrides)
-        print(f"\nplan.budget_gb={budget_gb:g}: per rank, {size(budget_gb * GIB)}")
-        for choice in choices:
-            verdict = ("fits" if choice.fits(budget_gb * GIB) else "too big") if choice.estimate else "cannot run"
-            need = size(choice.needs()) if choice.estimate else choice.error
-            print(f"  {verdict:<10} {choice.candidate.label:<36} {need}")
-        out["budget"] = {"budget_gb": budget_gb, "choices": [
-            {"label": c.candidate.label, "overrides": list(c.candidate.overrides), "fits": c.fits(budget_gb * GIB),
-             "needs_bytes": c.needs() if c.estimate else None, "error": c.error} for c in choices]}
-        if best is None:
-            smallest = min((c for c in choices if c.estimate), key=lambda c: c.needs(), default=None)
-            need = (f"; the smallest needs {size(smallest.needs())} ({' '.join(smallest.candidate.overrides)})"
-                    if smallest else "")
-            print(f"hydraddp.plan: plan.budget_gb={budget_gb:g}: nothing fits{need}. Raise the budget, add ranks "
-                  "(launcher.nproc_per_node, launcher.nnodes), or lower data.batch_size.", file=sys.stderr)
-            code = EXIT_INVALID
-        else:
-            out["budget"]["recommended"] = list(best.candidate.overrides)
-            print(f"recommended: {' '.join(best.candidate.overrides)}: {best.candidate.why}; peak "
-                  f"{size(best.estimate.peak_bytes)} of {size(budget_gb * GIB)}")
+    code = budget(args.overrides, budget_gb, out) if budget_gb else 0
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
     return code

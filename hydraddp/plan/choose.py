@@ -33,9 +33,11 @@ CANDIDATES = (
 )
 
 
-def without_wrap(overrides: list[str]) -> list[str]:
-    """The user's overrides less those of the wrap (and its kwargs): another wrap brings its own."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(("wrap=", "wrap.", "trainer.activation_checkpointing"))]
+def without_wrap(overrides: list[str], checkpointing_too: bool = False) -> list[str]:
+    """The user's overrides less those of the wrap (and its kwargs): another wrap brings its own. A budget's candidates
+    decide activation checkpointing too."""
+    dropped = ("wrap=", "wrap.", *(("trainer.activation_checkpointing",) if checkpointing_too else ()))
+    return [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
 
 
 @dataclass
@@ -61,7 +63,8 @@ def within_budget(overrides: list[str], budget_bytes: float,
     choices = []
     for candidate in CANDIDATES:
         try:
-            choices.append(Choice(candidate, plan([*without_wrap(overrides), *candidate.overrides])))
+            choices.append(Choice(candidate, plan([*without_wrap(overrides, checkpointing_too=True),
+                                                   *candidate.overrides])))
         except ConfigurationError as exc:
             choices.append(Choice(candidate, None, str(exc)))
     return choices, next((c for c in choices if c.fits(budget_bytes)), None)
