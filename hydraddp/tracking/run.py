@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +112,12 @@ class LaunchRun:
         self._created.wait()
 
     # -- the background thread -------------------------------------------------------------------
-    def start(self, once_created: Callable[[], None] | None = None) -> None:
-        """Create the run and send the events in a thread; it calls ``once_created`` when the run exists."""
-        self._thread = threading.Thread(target=self._run, args=(once_created,), name="hydraddp-mlflow", daemon=True)
+    def start(self) -> None:
+        """Create the run and send the events, in a thread."""
+        self._thread = threading.Thread(target=self._run, name="hydraddp-mlflow", daemon=True)
         self._thread.start()
 
-    def _run(self, once_created: Callable[[], None] | None) -> None:
+    def _run(self) -> None:
         delay = 0.5
         while not self._created.is_set():
             try:
@@ -128,8 +127,6 @@ class LaunchRun:
                 if self._abort.wait(delay):
                     return
                 delay = min(delay * 2, 5.0)
-        if once_created is not None:
-            once_created()
         while True:
             stopping = self._stop.is_set()
             try:
