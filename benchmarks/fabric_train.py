@@ -56,13 +56,7 @@ def training(fabric: Fabric, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=70)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--hidden", type=int, nargs="+", default=list(workload.HIDDEN))
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = workload.arguments(spawns_ranks=True).parse_args()
     strategy = DDPStrategy(process_group_backend="gloo", gradient_as_bucket_view=True)
     fabric = Fabric(accelerator="cpu", devices=args.nproc, strategy=strategy, precision="32-true")
     fabric.launch(training, args)

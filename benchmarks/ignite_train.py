@@ -63,13 +63,7 @@ def training(local_rank: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=70)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--hidden", type=int, nargs="+", default=list(workload.HIDDEN))
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = workload.arguments(spawns_ranks=True).parse_args()
     with idist.Parallel(backend="gloo", nproc_per_node=args.nproc) as parallel:
         parallel.run(training, args)
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -27,15 +26,11 @@ import workload  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = workload.arguments()
     parser.add_argument("--wrap", choices=["none", "ddp", "fsdp2"], default="ddp")
     parser.add_argument("--units", choices=["root", "linear", "blocks"], default="root")
     parser.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True), as hydraddp")
     parser.add_argument("--model", choices=["mlp", "hf"], default="mlp")
-    parser.add_argument("--steps", type=int, default=70)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--hidden", type=int, nargs="+", default=list(workload.HIDDEN))
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ

@@ -7,6 +7,7 @@ the first optimizer step's wall-clock time, and steady-state samples/s after WAR
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -58,6 +59,18 @@ def train_set():
     from hydraddp.data.digits import digits
 
     return digits(eval_fraction=0.15, seed=0)[0]
+
+
+def arguments(spawns_ranks: bool = False) -> argparse.ArgumentParser:
+    """The command line every peer script shares; ``spawns_ranks``: the script starts its own ranks (``--nproc``)."""
+    parser = argparse.ArgumentParser()
+    if spawns_ranks:
+        parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
+    parser.add_argument("--out", required=True)
+    return parser
 
 
 def peak_rss_bytes() -> int:
