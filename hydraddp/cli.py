@@ -116,7 +116,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         tracker = launch_run(plan)
         tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
-    return _launch(plan, tracker, outcome)
+    from hydraddp.tracking.node import for_launch
+
+    node = for_launch(plan, tracker)  # over several nodes: each one's system metrics and logs into the run
+    try:
+        return _launch(plan, tracker, outcome)
+    finally:
+        if node is not None:
+            node.finish(plan.config["tracking"]["flush_timeout_s"])
 
 
 def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:

@@ -22,12 +22,19 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     ``events_path`` is where the tracker reads MLflow events; local rank 0 of the node that tracks writes them.
     """
     from hydraddp.tracking.events import EventWriter
+    from hydraddp.tracking.node import write_node_file
     from hydraddp.train import train
     from hydraddp.train.logs import FILE_ONLY, setup_rank_logging
 
     # Each node's launcher (or, under torchrun, each process) made its own job directory: all take one.
     decides = idist.get_rank() == 0 if attached else plain_cfg["launcher"]["node_rank"] == 0 and local_rank == 0
-    job_dir = agreed_job_dir(job_dir, decides)
+    own_job_dir, job_dir = job_dir, agreed_job_dir(job_dir, decides)
+    if idist.get_local_rank() == 0 and (not attached or idist.get_rank() == 0):
+        # Which ranks ran on this node, for its tracker to upload their logs (attached, the other nodes' ranks
+        # composed in ".", the user's directory: nothing is written there).
+        first = idist.get_rank() - idist.get_local_rank()
+        node = 0 if attached else plain_cfg["launcher"]["node_rank"]
+        write_node_file(Path(own_job_dir), node, Path(job_dir), list(range(first, first + idist.get_nproc_per_node())))
     if not plain_cfg["checkpoint"]["resume"]:
         from hydraddp.train.preemption import resume_point
 

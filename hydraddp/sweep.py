@@ -108,7 +108,8 @@ class SweepSummary(Callback):
                 raise LaunchEnded(EXIT_INVALID)
         if not config.tracking.enabled or _single_job():
             return
-        from hydraddp.tracking.run import SweepRun, preflight
+        from hydraddp.tracking.run import preflight
+        from hydraddp.tracking.sweep_run import SweepRun
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
 
         from omegaconf import OmegaConf

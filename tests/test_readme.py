@@ -40,7 +40,7 @@ RUN_BY = {
     "bash scripts/install_horovod.sh": "scripts/dev.sh",
     ".venv/bin/mlflow ui": "tests/test_readme.py::test_the_mlflow_ui_command_serves_the_runs",
     "python -m hydraddp.plan": "tests/plan/test_command.py::test_the_plan_shows_units_parts_and_every_wrap",
-    "python -m hydraddp.compare": "tests/tracking/test_mlflow.py::test_compare_prints_the_table_and_writes_the_plots",
+    "python -m hydraddp.compare": "tests/tracking/test_compare.py::test_compare_prints_the_table_and_writes_the_plots",
     "python -m hydraddp.export": "tests/train/test_checkpoint.py::test_the_export_loads_with_weights_only_into_the_unwrapped_model",
     "python -m hydraddp --cfg job | --help": "tests/test_cli.py::test_help_lists_every_group_and_its_options",
     "python -m hydraddp --config-dir myconf": "tests/test_readme.py::test_the_own_package_snippets_train_with_the_readmes_command",

@@ -78,6 +78,23 @@ class TrainerConfig:
 
 
 @dataclass
+class SystemMetricsConfig:
+    """MLflow's own system-metrics monitor, sampled on every node by its tracker (never in a training rank)."""
+
+    enabled: bool = True
+    interval_s: float = 10.0  # seconds between samples
+
+
+@dataclass
+class LoggedModelConfig:
+    """The trained model as an MLflow LoggedModel of the run (``mlflow.pytorch``)."""
+
+    enabled: bool = True  # at the end of a launch that finished
+    every_checkpoint: bool = False  # also at each periodic checkpoint
+    max_copy_mb: float = 1024.0  # above this, the LoggedModel refers to the DCP checkpoint instead of a copy
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     uri: Optional[str] = None
@@ -85,6 +102,12 @@ class TrackingConfig:
     run_id: Optional[str] = None
     tags: dict[str, str] = field(default_factory=dict)  # extra tags on the run (+tracking.tags.team=vision)
     flush_timeout_s: float = 60.0  # how long the end of a launch waits for an absent server
+    # The run's name: {experiment} {wrap} {precision} {world} {backend} {offload} {model} {id}; empty fields drop out
+    run_name: str = "{experiment}-{wrap}-{precision}-w{world}-{id}"
+    system_metrics: SystemMetricsConfig = field(default_factory=SystemMetricsConfig)
+    model: LoggedModelConfig = field(default_factory=LoggedModelConfig)
+    datasets: bool = True  # the training and evaluation sets as run inputs (name, digest, source, schema)
+    per_rank_table_above: int = 64  # more ranks than this: per-rank values go to a table artifact, not a key each
 
 
 @dataclass

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from hydraddp.distributed.compat import Combination, Problem, check_compatibility
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp.distributed.machine import combination, cuda_device_count
+from hydraddp.tracking import names
 
 # Where each rule's keys live in the config, so messages name what the user types.
 CONFIG_NAMES = {
@@ -79,6 +80,11 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
     except ValueError as exc:
         found.append(Problem(("checkpoint.preempt_signals",), f"checkpoint.preempt_signals: {exc}.",
                              "Name signals as Python's signal module does (SIGTERM, SIGUSR2), or set [] for none."))
+    unnamed = names.run_name_problem(cfg.tracking.run_name)
+    if unnamed:
+        found.append(Problem(("tracking.run_name",), f"{unnamed}.",
+                             f"Use only {', '.join('{' + f + '}' for f in names.RUN_NAME_FIELDS)} (and any text), "
+                             "e.g. tracking.run_name='{experiment}-{wrap}-{precision}-w{world}-{id}'."))
     scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
     if scaler_keys and cfg.precision.name != "fp16":
         found.append(Problem(
@@ -128,9 +134,9 @@ MINIMUMS = {
     "data.batch_size": 1, "data.eval_batch_size": 1, "data.num_workers": 0, "data.seq_len": 1,
     "trainer.max_steps": 1, "trainer.log_every": 1, "trainer.accumulate_grad_batches": 1, "trainer.eval_every": 0, "trainer.stop_at_step": 1,
     "checkpoint.every_n_steps": 0, "checkpoint.keep_last": 0, "launcher.max_restarts": 0,
-    "precision.growth_interval": 1,
+    "precision.growth_interval": 1, "tracking.per_rank_table_above": 1, "tracking.model.max_copy_mb": 0,
 }
-POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale")
+POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale", "tracking.system_metrics.interval_s")
 
 
 def signal_numbers(names: list[str]) -> list[int]:

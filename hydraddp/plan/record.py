@@ -12,8 +12,10 @@ import sys
 
 def _idle_priority() -> None:
     """``SCHED_IDLE`` (Linux): this process runs only on a core no rank wants, and a rank that wakes from a
-    collective takes the core back at once. (At nice 19 beside the ranks, the plan slowed them by several percent: a
-    niced task still gets its slice before a waking rank.) It also dies with the tracker that started it."""
+    collective takes the core back at once. (What once slowed the ranks by several percent was the tracker's own
+    session, which Linux's autogroup weighed against all the ranks together: see ``hydraddp.tracking.process``. Idle
+    priority keeps the plan, most of it ``import torch``, out of the ranks' way wherever it runs.) It also dies with
+    the tracker that started it."""
     if sys.platform != "linux":
         os.nice(19)
         return

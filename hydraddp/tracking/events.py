@@ -33,6 +33,11 @@ class EventWriter:
         self._file.write(json.dumps({"tag": key, "value": str(value)}) + "\n")
         self._file.flush()
 
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        """Something the tracker logs by a handler of its own (``run.RECORD_HANDLERS``): a dataset input, a model."""
+        self._file.write(json.dumps({kind: payload}) + "\n")
+        self._file.flush()
+
     def close(self) -> None:
         self._file.close()
 

@@ -17,6 +17,7 @@ TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes 
 TAG_PREEMPTED = "hydraddp.preempted"  # JSON: the step, checkpoint and signal of the latest preemption
 TAG_REQUEUES = "hydraddp.requeued"  # how many preemptions this run was resumed from (submitit requeues, reruns)
 TAG_MODEL_CLASS = "hydraddp.model_class"  # the class the model's _target_ built (a factory's product), from rank 0
+TAG_JOB_DIR = "hydraddp.job_dir"  # where the launch's files are (the other nodes find the run by it)
 TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
 TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
 TAG_PARENT = "mlflow.parentRunId"
@@ -26,6 +27,73 @@ STARTUP_S = "perf/startup_s"  # from the launch command to the end of the first 
 RUN_ID_FILE = "mlflow_run_id"  # in the job directory, once the tracker has created (or continued) the run
 LAUNCHED_AT_ENV = "HYDRADDP_LAUNCHED_AT"  # the command's start (time.time()), set for the workers to inherit
 EVAL_LOSS, EVAL_ACCURACY = "eval/loss", "eval/accuracy"
+
+
+# The fields a run name's template (tracking.run_name) may use: none can carry a URI or a secret.
+RUN_NAME_FIELDS = ("experiment", "wrap", "precision", "world", "backend", "offload", "model", "id")
+RUN_ID_CHARS = 4  # {id}: the first characters of the MLflow run id, so the name leads to the run
+NAME_SEPARATORS = "-_. /"
+
+
+def run_name_fields(config: dict[str, Any], wrap: str, world_size: int, experiment: str | None) -> dict[str, str]:
+    """Every field of ``RUN_NAME_FIELDS`` but ``id`` (known once the run exists), from a resolved config."""
+    target = str(config["model"].get("_target_", ""))
+    return {"experiment": experiment or "", "wrap": wrap, "precision": config["precision"]["name"],
+            "world": str(world_size), "backend": config["backend"]["name"], "offload": config["offload"]["name"],
+            "model": target.rsplit(".", 1)[-1].lower()}
+
+
+def run_name(template: str, fields: dict[str, str]) -> str:
+    """``template`` filled in; a field left empty drops out with the separator before it (``{experiment}-{wrap}``
+    with no experiment is ``ddp``). A field not in ``fields`` stays as ``{name}``, to be filled in later (``{id}``)."""
+    parts = re.split(r"(\{[a-z_]+\})", template)
+    out = ""
+    for part in parts:
+        match = re.fullmatch(r"\{([a-z_]+)\}", part)
+        if match is None:
+            out += part
+        elif match[1] not in fields:
+            out += part
+        elif fields[match[1]]:
+            out += fields[match[1]]
+        else:
+            out = out.rstrip(NAME_SEPARATORS) if out.strip(NAME_SEPARATORS) else ""
+    return re.sub(rf"([{re.escape(NAME_SEPARATORS)}])\1+", r"\1", out).strip(NAME_SEPARATORS)
+
+
+def run_name_problem(template: str) -> str | None:
+    """Why ``template`` cannot name runs, or None."""
+    unknown = sorted(set(re.findall(r"\{([^{}]*)\}", template)) - set(RUN_NAME_FIELDS))
+    if unknown:
+        return (f"tracking.run_name={template!r} uses {', '.join('{' + u + '}' for u in unknown)}, which is not a "
+                f"field of a run name")
+    if not run_name(template, {k: "x" for k in RUN_NAME_FIELDS}):
+        return f"tracking.run_name={template!r} names every run with an empty string"
+    return None
+
+
+SWEPT_VALUE = re.compile(r",|^(range|choice|glob|interval)\(")
+
+
+def sweep_run_name(overrides: Iterable[str]) -> str:
+    """A sweep's parent run name: ``sweep`` and what it sweeps (``sweep wrap=ddp,fsdp2 precision=fp32,bf16``), plus its
+    ``experiment=``. Nothing else of the overrides (a server's URI, a path) reaches the name; secrets come redacted."""
+    shown = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        swept = sep and SWEPT_VALUE.search(value) and "://" not in value
+        if swept or (sep and key.split("@", 1)[0] == "experiment"):
+            shown.append(f"{key.split('@', 1)[0]}={value}")
+    return " ".join(["sweep", *shown])
+
+
+def experiment_choice(overrides: Iterable[str]) -> str | None:
+    """The ``experiment=NAME`` of a launch's overrides (Hydra spells it ``experiment@_global_=NAME``)."""
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if sep and key.split("@", 1)[0] == "experiment" and value not in ("", "null"):
+            return value
+    return None
 
 
 def eval_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -27,6 +27,8 @@ from typing import Any
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE
 from hydraddp.tracking.run import FINISHED, KILLED, LaunchRun
+from hydraddp.tracking.source import source_tags
+from hydraddp.tracking.system_metrics import NodeSystemMetrics
 
 
 class TrackerProcess:
@@ -155,8 +157,17 @@ def main() -> int:
         # A restarted group continues the run of the first attempt, known for sure only now that its tracker is done.
         settings["run_id"] = run_id_file.read_text().strip()
     plan_world = settings.pop("plan_world_size", None)
+    # Found here, not in the launcher: git takes tens of milliseconds that the ranks' start-up need not wait for.
+    settings["tags"] = {**source_tags(Path.cwd(), settings.pop("entry_point", "python -m hydraddp")), **settings["tags"]}
     run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
     run.start()
+    system = settings["config"].get("tracking", {}).get("system_metrics", {"enabled": False})
+    node_metrics = NodeSystemMetrics(run.uri, 0, system["interval_s"], continued=settings["run_id"] is not None) \
+        if system["enabled"] else None
+    if node_metrics is not None:
+        threading.Thread(target=lambda: (run.wait_created(), node_metrics.start(run.run_id)),
+                         name="hydraddp-system-metrics", daemon=True).start()
+        run.before_close.append(node_metrics.finish)  # its last sample, while the run is still open
     planner = Planner(run, settings["config"], plan_world) if plan_world else None
     if planner is not None:
         planner.start()

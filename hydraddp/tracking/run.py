@@ -23,6 +23,8 @@ import yaml
 
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE, read_events
+from hydraddp.tracking.node import upload_node_logs
+from hydraddp.tracking.per_rank import PerRankTable
 
 log = logging.getLogger(__name__)
 SENT_OFFSET_FILE = "events.sent"
@@ -30,6 +32,11 @@ SENT_OFFSET_FILE = "events.sent"
 MAX_METRICS, MAX_PARAMS, MAX_TAGS, MAX_ENTITIES = 1000, 100, 100, 1000
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 PLAN_CHECKED_KEYS = frozenset(names.PLAN_CHECKED.values())
+# Events other than metrics and tags: their key names the module and function that log them, as
+# ``handler(run: LaunchRun, payload: dict)``. A handler raises only when the server may be away (the event is then
+# sent again); what it cannot log for good it logs as a warning and returns.
+RECORD_HANDLERS = {"input": ("hydraddp.tracking.inputs", "log_input"),
+                   "model": ("hydraddp.tracking.logged_model", "log_model")}
 
 
 def default_uri(cwd: Path | None = None) -> str:
@@ -106,6 +113,10 @@ class LaunchRun:
         self._measured: dict[str, float] = {}
         self._measured_step = 0
         self._plan_logged = self._plan_checked = False
+        # Above tracking.per_rank_table_above ranks, per-rank values go to a table artifact instead of a key each.
+        self._per_rank = PerRankTable.for_run(config, tags, self.job_dir)
+        # Called with the run id once every event is sent and before the status is set (the node's system metrics).
+        self.before_close: list[Any] = []
 
     def wait_created(self) -> None:
         """Until the run exists on the server (or forever, if it never does: callers are daemon threads)."""
@@ -156,7 +167,12 @@ class LaunchRun:
         else:
             experiment = client.get_experiment_by_name(self.experiment)
             experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment)
-            self.run_id = client.create_run(experiment_id, tags=self.tags, run_name=self.run_name).info.run_id
+            # {id} is the run's own id: known once the run exists, so the name is completed after creating it.
+            first_name = names.run_name(self.run_name, {"id": ""}) if self.run_name else None
+            self.run_id = client.create_run(experiment_id, tags=self.tags, run_name=first_name or None).info.run_id
+            if self.run_name and "{id}" in self.run_name:
+                self.run_name = names.run_name(self.run_name, {"id": self.run_id[:names.RUN_ID_CHARS]})
+                client.update_run(self.run_id, name=self.run_name)
             self._record(self.tags)
         (self.job_dir / names.RUN_ID_FILE).write_text(self.run_id)
         self._created.set()
@@ -212,21 +228,40 @@ class LaunchRun:
         metrics: list[Metric] = []
         tags: list[RunTag] = []
         pending_steps: dict[str, int] = {}
+        sent_until = self._offset
         for event, end in zip(events, ends):
             if "metric" in event:
                 key = event["metric"]
                 if key in PLAN_CHECKED_KEYS:
                     self._measured[key], self._measured_step = event["value"], max(self._measured_step, event["step"])
-                if event["step"] > pending_steps.get(key, self._last_logged(key)):
+                if self._per_rank.takes(event):
+                    pass  # kept in the per-rank table, uploaded at the end
+                elif event["step"] > pending_steps.get(key, self._last_logged(key)):
                     metrics.append(Metric(key, event["value"], event["ts"], event["step"]))
                     pending_steps[key] = event["step"]
-            else:
+            elif "tag" in event:
                 tags.append(RunTag(event["tag"], event["value"]))
+            else:  # a record: what came before it is sent first, then the record, each committed in turn
+                self._send_batch(metrics, tags, pending_steps, sent_until)
+                metrics, tags, pending_steps = [], [], {}
+                self._handle_record(event)
+                self._send_batch([], [], {}, end)
+            sent_until = end
             full = len(metrics) == MAX_METRICS or len(tags) == MAX_TAGS or len(metrics) + len(tags) == MAX_ENTITIES
             if full or end == ends[-1]:
                 self._send_batch(metrics, tags, pending_steps, end)
                 metrics, tags, pending_steps = [], [], {}
         return False
+
+    def _handle_record(self, event: dict[str, Any]) -> None:
+        import importlib
+
+        [(kind, payload)] = event.items()
+        if kind not in RECORD_HANDLERS:
+            log.warning("an event of unknown kind %r was left out", kind)
+            return
+        module, function = RECORD_HANDLERS[kind]
+        getattr(importlib.import_module(module), function)(self, payload)
 
     def _send_batch(self, metrics: list, tags: list, steps: dict[str, int], end: int) -> None:
         if metrics or tags:
@@ -234,6 +269,7 @@ class LaunchRun:
             self._client.log_batch(self.run_id, metrics=metrics, tags=tags)
             self._unsure = False
         self._last_step.update(steps)
+        self._per_rank.flush()  # before the offset moves past the per-rank values it took
         self._offset, self._sent = end, self._sent + len(metrics)
         tmp = self._offset_path.with_name(self._offset_path.name + ".tmp")
         tmp.write_text(str(end))
@@ -296,6 +332,8 @@ class LaunchRun:
                 self._log_plan()
             except Exception as exc:  # the plan is the run's extra: it never costs the run its status
                 log.warning("the launch's plan was not logged (%s)", exc)
+            for close in self.before_close:
+                close(self.run_id)
             self._upload_artifacts(error)
             self._client.set_terminated(self.run_id, status)
             return True
@@ -308,12 +346,11 @@ class LaunchRun:
             return False
 
     def _upload_artifacts(self, error: str | None) -> None:
+        self._per_rank.upload(self)
         report = self.job_dir / "wrap_report.json"
         if report.exists():
             self._client.log_artifact(self.run_id, str(report))
-        logs = self.job_dir / "logs"
-        if logs.is_dir():
-            self._client.log_artifacts(self.run_id, str(logs), "logs")
+        upload_node_logs(self._client, self.run_id, self.job_dir)  # the other nodes upload theirs
         if error:
             self._client.set_tag(self.run_id, names.TAG_ERROR, error[:5000])
             self._client.log_text(self.run_id, error, "error.txt")
@@ -333,30 +370,3 @@ def sync(job_dir: Path, uri: str, status: str | None) -> int:
         run._client.set_terminated(run_id, status)
     print(f"hydraddp: sent {run._sent} metric points to run {run_id}")
     return 0
-
-
-class SweepRun:
-    """A sweep's parent run: its jobs' runs are its children; the comparison plots end up on it."""
-
-    def __init__(self, uri: str, experiment: str, sweep_overrides: list[str]):
-        """``sweep_overrides`` come redacted (``names.redact_overrides``): they name the run and tag it."""
-        self.uri = uri
-        self.client = mlflow_client(uri)
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        description = " ".join(sweep_overrides)
-        self.run_id = self.client.create_run(experiment_id, tags={names.TAG_SWEEP: description},
-                                             run_name=f"sweep: {description}").info.run_id
-        self.client.log_text(self.run_id, yaml.safe_dump(sweep_overrides), "overrides.yaml")
-
-    def finish(self, status: str, sweep_dir: Path) -> None:
-        from hydraddp.tracking.compare import compare
-
-        try:
-            text, paths = compare(self.run_id, self.uri, sweep_dir / "compare")
-            print(text, flush=True)
-            for path in paths:
-                self.client.log_artifact(self.run_id, str(path))
-        except SystemExit as exc:  # no child run to compare (every job was invalid)
-            print(exc, flush=True)
-        self.client.set_terminated(self.run_id, status)

@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from hydraddp.distributed.env import detect_launch_env
 from hydraddp.tracking import names
 from hydraddp.tracking.process import TrackerProcess
 from hydraddp.tracking.run import default_uri, preflight
@@ -31,6 +32,7 @@ def launch_run(plan: Any) -> TrackerProcess:
         names.TAG_PRECISION: config["precision"]["name"],
         names.TAG_OFFLOAD: config["offload"]["name"],
         names.TAG_WORLD_SIZE: str(plan.world_size),
+        names.TAG_JOB_DIR: str(plan.job_dir),
         # What was trained, by class: a sweep over users' models and tasks stays readable in the UI.
         names.TAG_MODEL: str(config["model"].get("_target_", "?")),
         names.TAG_TASK: str(config["task"].get("_target_", "?")),
@@ -40,14 +42,18 @@ def launch_run(plan: Any) -> TrackerProcess:
     if parent:
         tags[names.TAG_PARENT] = parent
     overrides = names.redact_overrides(list(plan.overrides), plan.secret_paths)
+    attached = detect_launch_env()
     tracking = plan.config["tracking"]
     return TrackerProcess({
         "uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(plan.job_dir),
         "config": config, "overrides": overrides, "tags": tags, "run_id": tracking["run_id"],
-        "run_name": " ".join(overrides) or None,
+        # Short and readable (fsdp2-bf16-w8-3f2a): from the config's names, never from the overrides' values.
+        "run_name": names.run_name(tracking["run_name"], names.run_name_fields(
+            config, plan.wrap, plan.world_size, names.experiment_choice(plan.overrides))),
         # A resume or a restart continues a run that may hold some of the steps to come: they are not resent.
         "resuming": plan.resumes or plan.restarted, "resumed_from": plan.resumed_from,
         "adopt_run": plan.restarted and not tracking["run_id"],
+        "entry_point": f"{'torchrun' if attached and attached.source == 'torchrun' else 'python'} -m hydraddp",
         # The tracker plans what the simulated world can run (not DataParallel's replicas, not Horovod's ranks).
         "plan_world_size": plan.world_size if config["plan"]["record"] and plan.wrap in PLANNED_WRAPS else None,
     })

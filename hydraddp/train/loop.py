@@ -25,7 +25,7 @@ from hydraddp.build import instantiate_model, wrap_model
 from hydraddp.config.instantiate import instantiate
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data, preemption, resume, tasks
+from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, resume, tasks
 from hydraddp.train.logs import ConsoleHandler
 from hydraddp.train.metrics import StepLog, TensorPeak, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
@@ -121,6 +121,8 @@ class _Parts:
     resumed: checkpoint.Resumed | None
     flops_per_token: float | None  # the model's own count, taken before wrapping
     model_class: str  # what the model's _target_ built, before any wrapper
+    train_set: Any
+    eval_set: Any
 
 
 def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
@@ -146,7 +148,7 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
                   data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed),
                   data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers), resumed, flops_per_token,
-                  model_class)
+                  model_class, train_set, eval_set)
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
@@ -207,6 +209,10 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     device, world, trainer = idist.device(), idist.get_world_size(), cfg.trainer
     parts = _build(cfg, job_dir)
     model, task = parts.model, parts.task
+    # Described now, outside the timed steps; recorded after the first step, as the tags are (a continued run must
+    # stay as it was until this launch has taken a step).
+    datasets = (inputs.describe_datasets(saved_config, parts.train_set, parts.eval_set)
+                if events is not None and cfg.tracking.datasets else [])
     horovod, device_flops = idist.backend() == "horovod", peak_flops(device)
     start_step = parts.resumed.step if parts.resumed else 0
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
@@ -219,7 +225,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     realized = getattr(getattr(model, "_hydraddp_wrap", None), "wrap", cfg.wrap.name)
     log.info("training steps %d-%d of %d: wrap=%s precision=%s task=%s on %s, world size %d", start_step + 1,
              last_step, trainer.max_steps, realized, cfg.precision.name, type(task).__name__, device, world)
-    saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config)
+    saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config, events)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
     with preemption.Preemption(list(cfg.checkpoint.preempt_signals)) as stop:
         for step in range(start_step + 1, last_step + 1):
@@ -236,6 +242,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             throughput.count(step, tasks.batch_size(batch) * world)
             if step == start_step + 1:
                 _after_first_step(parts, result, step, job_dir, events)
+                if events is not None:
+                    inputs.record(events, datasets)
             stopping = stop.agreed()  # every rank the same answer, at the same step
             if step % trainer.log_every == 0 or step == last_step or stopping:
                 step_log.add(step, loss, _perf(throughput, result, batch, parts.flops_per_token, device_flops, world))
@@ -247,7 +255,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 log.info("step %d eval %s", step, _shown(metrics))
                 if events is not None:
                     events.metrics(names.eval_metrics(metrics), step)
-            saver.after(step, last_step)
+            saver.after(step, last_step, batch)
             if progress is not None:
                 progress.update(1)
             if stopping:
@@ -268,5 +276,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     if events is not None:
         events.metrics({**names.eval_metrics(result.eval_metrics),
                         **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)
+    if cfg.tracking.enabled and cfg.tracking.model.enabled:
+        logged_model.record_model(cfg, model, batch if last_step > start_step else None,  # else unbound: no step
+                                  last_step, events, job_dir, saver)
     log.info("done: loss %.4f, eval %s", result.final_loss, _shown(result.eval_metrics))
     return result

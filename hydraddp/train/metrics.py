@@ -13,6 +13,7 @@ import torch
 import hydraddp.distributed as idist
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter
+from hydraddp.tracking.per_rank import step_time_metrics
 
 log = logging.getLogger("hydraddp.train.loop")  # the loop's lines, under the name users filter on
 
@@ -103,10 +104,14 @@ class StepLog:
         if not self.pending or (step % self.sync_every and step != last_step):
             return
         means = idist.all_reduce(torch.cat([entry.loss for entry in self.pending]), "AVERAGE").tolist()
-        for entry, mean_loss in zip(self.pending, means):
+        # Every rank's own step time of each pending step, for the straggler (the slowest rank), in one gather.
+        own = torch.tensor([entry.perf[names.STEP_TIME_S] for entry in self.pending], dtype=torch.float64)
+        times = idist.all_gather(own).reshape(idist.get_world_size(), len(self.pending)).T.tolist()
+        for entry, mean_loss, step_times in zip(self.pending, means, times):
             self.losses[entry.step] = mean_loss
             if self.events is not None:
-                self.events.metrics({names.LOSS: mean_loss, **entry.perf}, entry.step, at=entry.at)
+                self.events.metrics({names.LOSS: mean_loss, **entry.perf, **step_time_metrics(step_times)}, entry.step,
+                                    at=entry.at)
             log.info("step %d loss %.4f %.0f samples/s", entry.step, mean_loss, entry.perf[names.SAMPLES_PER_S])
         if self.progress is not None:
             last = self.pending[-1].perf[names.SAMPLES_PER_S]

@@ -10,7 +10,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hydraddp.tracking import names
-from hydraddp.train import checkpoint
+from hydraddp.tracking.events import EventWriter
+from hydraddp.train import checkpoint, logged_model
 
 log = logging.getLogger("hydraddp.train.loop")
 
@@ -49,18 +50,24 @@ class Saver:
     """Periodic, early-stop and final checkpoints, as ``cfg.checkpoint`` says."""
 
     def __init__(self, cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler,
-                 saved_config: dict[str, Any]):
-        self.cfg, self.job_dir, self.saved_config = cfg, job_dir, saved_config
+                 saved_config: dict[str, Any], events: EventWriter | None = None):
+        """``events``: the tracking rank's writer, for ``tracking.model.every_checkpoint`` (None elsewhere)."""
+        self.cfg, self.job_dir, self.saved_config, self.events = cfg, job_dir, saved_config, events
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = checkpoint_root(cfg, job_dir)
         self.last_saved: tuple[int, Path] | None = None
 
-    def after(self, step: int, last_step: int) -> None:
-        every, ckpt = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint
+    def after(self, step: int, last_step: int, batch: Any = None) -> None:
+        """Checkpoint ``step`` if it is due; ``batch`` (the step's) gives a LoggedModel of it its input example."""
+        every, ckpt, tracking = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint, self.cfg.tracking
         periodic = every and step % every == 0
         final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
         if self.root is not None and (periodic or final):
             self.save(step)
+        # The last step's model is recorded after the final evaluation instead, with its metrics (loop.train).
+        if periodic and step != last_step and self.root is not None and tracking.enabled and tracking.model.enabled \
+                and tracking.model.every_checkpoint:
+            logged_model.record_model(self.cfg, self.model, batch, step, self.events, self.job_dir, self)
 
     def save(self, step: int) -> Path | None:
         """Checkpoint ``step`` now (a collective), unless it is written already; its path (None without a root)."""
