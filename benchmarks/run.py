@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -324,7 +325,7 @@ def machine() -> dict[str, str]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    # A measurement of uncommitted code names no commit: tests/test_benchmarks.py then refuses the results.
+    # A measurement of uncommitted code names no commit: `run.py --check` then calls the results stale.
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "hydraddp", "benchmarks", ":!benchmarks/RESULTS.md",
                             ":!benchmarks/results.json"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(), "torch": torch.__version__,
@@ -363,6 +364,36 @@ def update_markdown(path: Path, text: str) -> None:
     path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
 
 
+def staleness(markdown: Path = HERE / "RESULTS.md", root: Path = ROOT) -> tuple[str | None, list[str]]:
+    """The commit RESULTS.md measured, and the files under hydraddp/ and benchmarks/ changed since (the results
+    themselves aside), committed or not. No commit named (a measurement of uncommitted code) is ``(None, [])``."""
+    header = next((line for line in markdown.read_text().splitlines() if line.startswith("Measured ")), "")
+    named = re.search(r"hydraddp ([0-9a-f]{7,40});", header)
+    if not named:
+        return None, []
+    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)  # noqa: E731
+    if git("cat-file", "-e", f"{named[1]}^{{commit}}").returncode != 0:
+        raise SystemExit(f"RESULTS.md measured {named[1]}, which this checkout's history does not hold")
+    # Against the working tree: uncommitted changes make it stale too.
+    changed = git("diff", "--name-only", named[1], "--", "hydraddp", "benchmarks",
+                  ":!benchmarks/RESULTS.md", ":!benchmarks/results.json").stdout.split()
+    return named[1], changed
+
+
+def check(markdown: Path) -> int:
+    """``--check``: 0 when RESULTS.md describes the code at HEAD, 1 (naming what changed) when it is stale."""
+    commit, changed = staleness(markdown)
+    if commit is None:
+        print(f"{markdown} names no clean commit it measured: run benchmarks/run.py at a commit and commit what it writes")
+        return 1
+    if changed:
+        print(f"{markdown} is stale: it measured {commit}; since then {len(changed)} files under hydraddp/ and "
+              f"benchmarks/ changed, e.g. {', '.join(changed[:5])}. Run benchmarks/run.py and commit what it writes.")
+        return 1
+    print(f"{markdown} is current: it measured {commit}, and nothing it measured has changed since.")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=Settings.pairs, help="rounds (A/B pairs) per figure, at least 5")
@@ -371,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--no-markdown", dest="markdown", action="store_const", const=None)
     parser.add_argument("--only", help="comma-separated groups (ddp, fsdp, memory, imports); implies --no-markdown")
+    parser.add_argument("--check", action="store_true",
+                        help="measure nothing: say whether RESULTS.md is stale (exit 1) or describes HEAD (exit 0)")
     args = parser.parse_args(argv)
+    if args.check:
+        return check(args.markdown or HERE / "RESULTS.md")
     settings = SMOKE if args.smoke else Settings(pairs=args.pairs)
     only = set(args.only.split(",")) if args.only else None
     if only:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything from nothing (a venv with torch pinned, hydraddp editable), then run.
 #   bash scripts/dev.sh run  [overrides]    # python -m hydraddp: the default experiment, 2 CPU processes
-#   bash scripts/dev.sh test [pytest args]  # the test suite, then tests/vision in .venv-vision
+#   bash scripts/dev.sh test [pytest args]  # the test suite, then tests/vision in a venv of its own (made once)
 #                                           # (HYDRADDP_VISION_TESTS=0 skips that second venv)
 # Setup runs once per pyproject.toml version; later calls go straight to the command.
 set -euo pipefail
@@ -31,18 +31,21 @@ fi
 
 # torchvision must be the build made for its torch, and the registry has none for the CPU torch above (its
 # torchvision 0.28.0 is a CUDA build: "operator torchvision::nms does not exist"). A second venv holds a pair
-# that runs on the CPU, for the torchvision tests (tests/vision) alone.
-VISION_VENV=${VISION_VENV:-.venv-vision}
+# that runs on the CPU, for the torchvision tests (tests/vision) alone. It is several GB, so it is made once per
+# machine, in the cache beside Horovod's wheel, and shared by every clone: it holds hydraddp's dependencies but not
+# hydraddp, which the tests import from the checkout they run in (pytest's pythonpath).
 VISION_SPEC=${VISION_SPEC:-torch==2.14.1 torchvision==0.29.1}
+# Keyed by what it holds: hydraddp's dependencies, the vision extra and the pair (not the rest of pyproject.toml).
+vision_key=$( (sed -n '/^dependencies = \[/,/^\]/p; /^vision = /p' pyproject.toml; echo "$VISION_SPEC") | cksum | cut -d' ' -f1)
+VISION_VENV=${VISION_VENV:-${HYDRADDP_CACHE:-$HOME/.cache/hydraddp}/venv-vision-$vision_key}
 vision_tests() {
-  if [ ! -x "$VISION_VENV/bin/python" ]; then
+  if [ ! -f "$VISION_VENV/.hydraddp-ready" ]; then
+    rm -rf "$VISION_VENV"
     "${PYTHON:-python3}" -m venv "$VISION_VENV"
-  fi
-  local vision_stamp="$VISION_VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)"
-  if [ ! -f "$vision_stamp" ]; then
     # shellcheck disable=SC2086
-    "$VISION_VENV/bin/python" -m pip install -q -e ".[vision]" "pytest>=8" "pytest-timeout>=2.3" $VISION_SPEC
-    touch "$vision_stamp"
+    "$VISION_VENV/bin/python" -m pip install -q ".[vision]" "pytest>=8" "pytest-timeout>=2.3" $VISION_SPEC
+    "$VISION_VENV/bin/python" -m pip uninstall -q -y hydraddp
+    touch "$VISION_VENV/.hydraddp-ready"
   fi
   "$VISION_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vision
 }

@@ -24,21 +24,17 @@ def test_the_same_seed_builds_the_same_weights():
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
 
 
-def test_fsdp_units_come_from_the_models_own_no_split_modules(tmp_path):
+def test_fsdp_units_come_from_the_models_own_no_split_modules(pools):
     """A Hugging Face-style model (``_no_split_modules``) gets one FSDP unit per declared block, with no config."""
-    from tests.helpers.spawn import run_parallel
-
-    out = run_parallel("tests.train.workers:units_from_the_model", ["fsdp", "fsdp2"], tmp_path=tmp_path)
+    out = pools.run("tests.train.workers:units_from_the_model", ["fsdp", "fsdp2"])
     for rank in (0, 1):
         for wrap in ("fsdp", "fsdp2"):
             assert sorted(out[rank][wrap]) == ["<root>", "layers.0", "layers.1", "layers.2"], (wrap, out[rank][wrap])
 
 
-def test_the_gpt_under_fsdp2_returns_logits_that_are_not_a_view(tmp_path):
+def test_the_gpt_under_fsdp2_returns_logits_that_are_not_a_view(pools):
     """FSDP2 warns when a module returns a view ("An in-place op on this view ... will silently drop the pre-backward
     hook"). The GPT's head has no bias, so its 3-D logits are a tensor of their own: one step, no such warning."""
-    from tests.helpers.spawn import run_parallel
-
-    out = run_parallel("tests.train.workers:fsdp2_gpt_warnings", tmp_path=tmp_path)
+    out = pools.run("tests.train.workers:fsdp2_gpt_warnings")
     for rank in (0, 1):
         assert not [w for w in out[rank] if "returned a view tensor" in w], out[rank]

@@ -9,9 +9,11 @@ import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import REPO, interrupt_when, job_dirs, run_cli, run_process, run_together
+from tests.helpers.spawn import NO_PLAN, REPO, interrupt_when, job_dirs, run_cli, run_process, run_together
 
-QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
+QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", NO_PLAN]
 DONE = re.compile(r"hydraddp: done\. (\d+) steps at world size (\d+): loss ([\d.]+)")
 
 

@@ -48,6 +48,7 @@ RUN_BY = {
     "horovodrun --gloo -np 2": "tests/horovod/test_horovod.py::test_horovodrun_attach_makes_one_run_and_one_job_directory",
     "cp .env.example .env": "tests/test_docker_compose.py::test_services_and_secrets",
     "docker compose up --build": "tests/test_docker_compose.py::test_trainers_are_one_two_node_rendezvous_of_valid_hydraddp_commands",
+    ".venv/bin/python -m pytest -m \"not slow\"": "tests/test_readme.py::test_the_fast_tier_launches_nothing_and_checks_every_wrap_on_two_ranks",
     ".venv/bin/python benchmarks/run.py": "tests/test_benchmarks.py::test_the_harness_measures_every_figure_and_the_peers_train_the_same_model",
     "python -m hydraddp.kube": "tests/clusters/test_kube.py::test_the_manifest_validates_with_the_operators_own_models_and_holds_no_secret",
     # No cluster here: the manifest's pods read this Secret, which that test checks.
@@ -120,6 +121,7 @@ def test_every_other_command_is_run_by_a_named_test():
         assert (f"def {test}(" in text) if test else command.split()[-1] in text or "dev.sh test" in text, runner
 
 
+@pytest.mark.slow
 def test_the_own_package_snippets_train_with_the_readmes_command(tmp_path):
     user = tmp_path / "user"
     sources = {"mypkg/__init__.py": "", "mypkg/parts.py": readme_file("mypkg/parts.py"),
@@ -151,11 +153,13 @@ def run_snippet(name: str, tmp_path: Path, timeout: float = 240) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_the_from_python_snippet_runs_as_written(tmp_path):
     units = ast.literal_eval(run_snippet("from_python.py", tmp_path))
     assert units == {rank: ["<root>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"] for rank in (0, 1)}
 
 
+@pytest.mark.slow
 def test_the_core_snippet_runs_as_written(tmp_path):
     units, param_bytes = run_snippet("core.py", tmp_path).rsplit("] ", 1)
     from hydraddp.models.gpt import GPT
@@ -187,6 +191,7 @@ def plain_signature(fn) -> str:
     return ", ".join(parts)
 
 
+@pytest.mark.slow
 def test_the_quickstart_run_command_trains(tmp_path):
     [command] = [c for c in commands() if c.startswith("bash scripts/dev.sh run")]
     env = {"VENV": sys.prefix}  # this venv: the setup finds everything installed
@@ -196,6 +201,7 @@ def test_the_quickstart_run_command_trains(tmp_path):
     assert json.loads((tmp_path / "job" / "result.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_the_mlflow_ui_command_serves_the_runs(tmp_path):
     [command] = [c for c in commands() if c.startswith(".venv/bin/mlflow ui")]
     port = free_port()
@@ -215,3 +221,19 @@ def test_the_mlflow_ui_command_serves_the_runs(tmp_path):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)
+
+
+def test_the_fast_tier_launches_nothing_and_checks_every_wrap_on_two_ranks():
+    """The README's fast tier (collected, not run): no test that launches, and the 2-rank parity of every wrap."""
+    [command] = [c for c in commands() if c.startswith(".venv/bin/python -m pytest")]
+    args = [a for a in shlex.split(command)[3:] if a not in ("-n", "2")]  # collection needs no workers
+    done = run_process([sys.executable, "-m", "pytest", *args, "--co", "-q", "-p", "no:cacheprovider"], cwd=REPO,
+                       timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    selected = {line for line in done.stdout.splitlines() if "::" in line}
+    assert len(selected) > 200, len(selected)
+    for wrap in ("ddp", "fsdp", "fsdp2"):
+        assert f"tests/distributed/test_parity.py::test_sgd_losses_and_params_match_one_process[fp32-{wrap}]" in selected
+    launching = ("tests/test_cli.py", "tests/clusters/test_submitit.py", "tests/horovod/", "tests/ignite_reference/",
+                 "tests/tracking/test_mlflow.py", "tests/test_wheel.py")
+    assert not [test for test in selected if test.startswith(launching)]

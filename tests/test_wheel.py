@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.helpers.spawn import REPO
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 
 def test_installed_wheel_composes_the_config(tmp_path):

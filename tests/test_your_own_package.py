@@ -7,7 +7,11 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from tests.helpers.spawn import REPO, job_dirs, run_cli
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 PACKAGE = {
     "mypkg/__init__.py": "",

@@ -38,6 +38,7 @@ def test_the_pods_variables_are_the_launchers_defaults_and_the_command_line_wins
     assert pod_overrides({}, []) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("through_torchrun", [False, True], ids=["python -m hydraddp", "torchrun -m hydraddp"])
 def test_two_pods_of_a_pytorchjob_form_one_world_of_two_and_train(tmp_path, through_torchrun):
     port = free_port()

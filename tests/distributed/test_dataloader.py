@@ -5,7 +5,6 @@ import pytest
 
 import hydraddp.distributed as idist
 from tests.distributed.workers import dataset
-from tests.helpers.spawn import run_parallel
 
 
 def test_one_process_keeps_the_batch_and_the_data():
@@ -14,8 +13,8 @@ def test_one_process_keeps_the_batch_and_the_data():
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return run_parallel("tests.distributed.workers:dataloader_shards", tmp_path=tmp_path_factory.mktemp("dl"))
+def shards(pools):
+    return pools.run("tests.distributed.workers:dataloader_shards")
 
 
 def test_two_ranks_split_the_batch_and_the_data(shards):
@@ -34,8 +33,8 @@ def test_each_epoch_set_on_the_sampler_is_a_new_order(shards):
 
 
 @pytest.fixture(scope="module")
-def given(tmp_path_factory):
-    return run_parallel("tests.distributed.workers:given_samplers", tmp_path=tmp_path_factory.mktemp("given"))
+def given(pools):
+    return pools.run("tests.distributed.workers:given_samplers")
 
 
 def test_a_given_distributed_sampler_is_kept_and_covers_every_index_once(given):

@@ -3,12 +3,11 @@
 import pytest
 
 from hydraddp.distributed import ConfigurationError, Parallel, initialize
-from tests.helpers.spawn import run_parallel
 
 
 @pytest.fixture(scope="module")
-def errors(tmp_path_factory):
-    return run_parallel("tests.distributed.workers:error_cases", tmp_path=tmp_path_factory.mktemp("err"))[0]
+def errors(pools):
+    return pools.run("tests.distributed.workers:error_cases")[0]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from tests.distributed.workers import mlp
-from tests.helpers.spawn import run_parallel
 
 
 def test_one_process_stays_unwrapped_like_ignite():
@@ -15,8 +14,8 @@ def test_one_process_stays_unwrapped_like_ignite():
     assert type(ignite_idist.auto_model(mlp())) is type(idist.auto_model(mlp())) is nn.Sequential
 
 
-def test_two_gloo_ranks_get_ddp_like_ignite(tmp_path):
-    results = run_parallel("tests.distributed.workers:ignite_choice", tmp_path=tmp_path)
+def test_two_gloo_ranks_get_ddp_like_ignite(pools):
+    results = pools.run("tests.distributed.workers:ignite_choice")
     for rank in (0, 1):
         assert results[rank]["ignite"] == results[rank]["hydraddp"] == "DistributedDataParallel"
         assert results[rank]["use_fsdp"] == "fsdp2"  # use_fsdp=True means FSDP2, as in the seed

@@ -14,7 +14,7 @@ import ignite.distributed as ignite_idist
 import pytest
 
 import hydraddp.distributed as idist
-from tests.helpers.spawn import REPO, run_parallel, run_together
+from tests.helpers.spawn import REPO, run_together
 
 
 def _ignite_public_names() -> list[str]:
@@ -102,8 +102,8 @@ def test_the_serial_model_answers_as_ignites():
     assert calls == [1]
 
 
-def test_groups_and_broadcast_rules_on_two_real_ranks(tmp_path):
-    results = run_parallel("tests.distributed.workers:groups_and_broadcast", tmp_path=tmp_path)
+def test_groups_and_broadcast_rules_on_two_real_ranks(pools):
+    results = pools.run("tests.distributed.workers:groups_and_broadcast")
     assert results[0] == {"group_sum": None, "list_group_sum": [3], "group_gather": [0, 1], "objects_in_group": [{"r": 0}, {"r": 1}],
                           "outside_gather": [0], "broadcast_none": "Source data can not be None",
                           "broadcast_number": 5.0, "broadcast_list": "Unhandled input type <class 'list'>",

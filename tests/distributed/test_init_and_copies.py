@@ -3,27 +3,25 @@
 import pytest
 
 from tests.distributed.test_parity import FP32_TOL, max_param_diff
-from tests.helpers.spawn import run_parallel
 
 WRAPS = ("none", "ddp", "fsdp", "fsdp2")
 PRECISIONS = ("fp32", "bf16", "bf16-true")  # fp16 needs CUDA: tests/gpu
 
 
 @pytest.mark.parametrize("wrap", ["fsdp", "fsdp2", "ddp"])
-def test_seed_plus_rank_init_trains_like_one_process(tmp_path, wrap):
+def test_seed_plus_rank_init_trains_like_one_process(pools, wrap):
     # Each rank builds its own random weights; auto_model must start every rank from rank 0's.
-    dist = run_parallel("tests.distributed.workers:seed_plus_rank", wrap, tmp_path=tmp_path)
-    one = run_parallel("tests.distributed.workers:seed_plus_rank", None, backend="none", nproc=1, tmp_path=tmp_path)[0]
+    dist = pools.run("tests.distributed.workers:seed_plus_rank", wrap)
+    one = pools.run("tests.distributed.workers:seed_plus_rank", None, backend="none", nproc=1)[0]
     assert max_param_diff(dist[0]["built"], dist[1]["built"]) > 0.1  # they really were built apart
     assert dist[0]["losses"] == pytest.approx(one["losses"], abs=FP32_TOL)
     assert max_param_diff(dist[0]["params"], one["params"]) < FP32_TOL
 
 
 @pytest.fixture(scope="module")
-def copies(tmp_path_factory):
+def copies(pools):
     cases = [(w, p) for w in WRAPS for p in PRECISIONS]
-    return run_parallel("tests.distributed.workers:copies_and_pickles", cases, tmp_path=tmp_path_factory.mktemp("c"),
-                        timeout=240)[0]
+    return pools.run("tests.distributed.workers:copies_and_pickles", cases, timeout=240)[0]
 
 
 @pytest.mark.parametrize("op", ["deepcopy", "AveragedModel", "torch.save"])

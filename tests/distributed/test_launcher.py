@@ -11,6 +11,8 @@ import hydraddp.distributed as idist
 from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import REPO, interrupt_when, run_parallel, run_process, run_together
 
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory):

@@ -10,8 +10,6 @@ between the distributed modes only.
 
 import pytest
 
-from tests.helpers.spawn import run_parallel
-
 WRAPS = ("ddp", "fsdp", "fsdp2")
 PRECISIONS = ("fp32", "bf16")
 OPTIMS = ("sgd", "adamw")
@@ -20,12 +18,11 @@ BF16_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity")
+def runs(pools):
     serial_cases = [(None, p, o) for o in OPTIMS for p in (*PRECISIONS, "bf16-true")]
     dist_cases = [(w, p, o) for o in OPTIMS for p in (*PRECISIONS, "bf16-true") for w in WRAPS]
-    serial = run_parallel("tests.distributed.workers:train_cases", serial_cases, backend="none", nproc=1, tmp_path=tmp)
-    dist = run_parallel("tests.distributed.workers:train_cases", dist_cases, tmp_path=tmp)
+    serial = pools.run("tests.distributed.workers:train_cases", serial_cases, backend="none", nproc=1)
+    dist = pools.run("tests.distributed.workers:train_cases", dist_cases)
     return serial[0], dist
 
 

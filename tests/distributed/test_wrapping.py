@@ -3,13 +3,12 @@
 import pytest
 
 from tests.distributed.test_policies import seed_style_policy
-from tests.helpers.spawn import run_parallel
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(pools):
     mlp_min = 4 * 32 * 32 + 4 * 32 + 4 * 32 * 32 + 32  # one block MLP of tiny_transformer(dim=32)
     cases = {
         "fsdp2_blocks": ("fsdp2", {"block_classes": ["Block"]}),
@@ -23,7 +22,7 @@ def reports(tmp_path_factory):
                                        "sharding_strategy": "full_shard"}),
         "ddp": ("ddp", {}),
     }
-    return run_parallel("tests.distributed.workers:wrap_units", cases, tmp_path=tmp_path_factory.mktemp("w"))
+    return pools.run("tests.distributed.workers:wrap_units", cases)
 
 
 def test_fsdp2_block_autowrap_makes_exactly_the_blocks_and_the_root(reports):
@@ -64,8 +63,8 @@ def test_fsdp1_seed_style_policy_size_and_transformer_policies(reports):
 
 
 @pytest.fixture(scope="module")
-def batchnorm(tmp_path_factory):
-    return run_parallel("tests.distributed.workers:batchnorm_cases", tmp_path=tmp_path_factory.mktemp("bn"))
+def batchnorm(pools):
+    return pools.run("tests.distributed.workers:batchnorm_cases")
 
 
 @pytest.mark.parametrize("wrap", ["fsdp", "fsdp2"])

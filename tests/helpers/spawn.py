@@ -22,6 +22,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN_VAR = "HYDRADDP_TEST_TOKEN"
+# A tracked launch's own plan (plan.record) is made by a process at idle priority that a finished launch waits for:
+# about 6 s of every tracked launch on 2 cores, and far more while other tests load them. Tests of something else
+# leave it out; tests/plan, tests/tracking/test_mlflow.py, test_compare.py and test_secrets.py keep it.
+NO_PLAN = "plan.record=false"
 
 
 def processes_with_token(token: str) -> list[int]:

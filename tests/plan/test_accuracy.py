@@ -8,7 +8,8 @@ import pytest
 
 from hydraddp.config.compose import compose
 from hydraddp.plan.estimate import estimate
-from tests.helpers.spawn import run_parallel
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 STEPS = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false",
          "backend=gloo", "launcher.nproc_per_node=2"]
@@ -28,9 +29,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(pools):
     cases = {name: [*STEPS, *overrides] for name, overrides in CASES.items()}
-    return run_parallel("tests.plan.workers:measured", cases, tmp_path=tmp_path_factory.mktemp("plan"), timeout=600)
+    return pools.run("tests.plan.workers:measured", cases, timeout=600)
 
 
 @pytest.fixture(scope="module")

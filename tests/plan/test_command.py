@@ -7,7 +7,11 @@ import json
 import resource
 import sys
 
-from tests.helpers.spawn import run_parallel, run_process
+import pytest
+
+from tests.helpers.spawn import run_process
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 GPT = ["model=gpt", "data=text", "task=causal_lm", "data.batch_size=32", "backend=gloo", "launcher.nproc_per_node=2"]
 
@@ -44,7 +48,7 @@ def test_a_config_a_launch_refuses_exits_2_naming_the_key(tmp_path):
     assert launched.returncode == 2 and "wrap" in launched.stderr and "Traceback" not in launched.stderr
 
 
-def test_a_budget_picks_a_combination_that_then_runs_within_it(tmp_path):
+def test_a_budget_picks_a_combination_that_then_runs_within_it(pools, tmp_path):
     _, everything_fits = plan(*GPT, "plan.budget_gb=1000", tmp_path=tmp_path)
     needs = {c["label"]: c["needs_bytes"] for c in everything_fits["budget"]["choices"]}
     assert everything_fits["budget"]["recommended"] == ["wrap=ddp"], needs  # the fastest, when it fits
@@ -56,8 +60,7 @@ def test_a_budget_picks_a_combination_that_then_runs_within_it(tmp_path):
     assert "trainer.activation_checkpointing=true" in recommended, planned["budget"]
     assert "recommended:" in launched.stdout and "recomputed" in launched.stdout
     steps = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false"]
-    ran = run_parallel("tests.plan.workers:measured", {"recommended": [*GPT, *steps, *recommended]},
-                       tmp_path=tmp_path, timeout=300)
+    ran = pools.run("tests.plan.workers:measured", {"recommended": [*GPT, *steps, *recommended]}, timeout=300)
     measured = max(peak["peak_bytes"] for peak in ran[0]["recommended"]["tensor_peaks"])
     assert measured <= budget_gb * 1024**3, (measured, planned["budget"])
 

@@ -14,6 +14,8 @@ from omegaconf import OmegaConf
 
 from hydraddp.config.compose import compose
 
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
 def test_the_planning_process_runs_at_idle_priority_and_prints_the_plan():

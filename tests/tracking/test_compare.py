@@ -18,6 +18,8 @@ from hydraddp.tracking.per_rank import PerRankTable
 from tests.helpers.spawn import run_cli, run_process
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked
 
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
 REPO = Path(__file__).resolve().parents[2]
 HEADER = ["run", "id", "wrap", "precision", "world", "samples/s", "max", "rank", "p+g+o", "MiB", "peak", "mem", "MiB",
           "planned", "peak", "MiB", "tensor", "peak", "MiB", "plan", "error", "final", "loss", "status", "run"]

@@ -3,9 +3,13 @@ and a resume into another wrap or world size says so in the run (``hydraddp.resu
 
 import json
 
-from tests.helpers.spawn import job_dirs, run_cli
+import pytest
 
-BASE = ["trainer.log_every=1", "trainer.eval_every=0", "trainer.max_steps=12", "checkpoint.every_n_steps=5"]
+from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
+BASE = ["trainer.log_every=1", "trainer.eval_every=0", "trainer.max_steps=12", "checkpoint.every_n_steps=5", NO_PLAN]
 
 
 def client_and_run(db):

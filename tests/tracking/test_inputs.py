@@ -17,8 +17,10 @@ from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 from hydraddp.tracking.run import LaunchRun
 from hydraddp.train import inputs
-from tests.helpers.spawn import job_dirs, run_cli
+from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
 from tests.tracking.test_mlflow import QUICK, tracked
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 DIGITS = "hydraddp.data.digits.digits"
 
@@ -30,7 +32,7 @@ def launches(mlflow_server, tmp_path_factory):
     client, out = mlflow_server.client(), {}
     for label, extra in (("a", []), ("b", []), ("seed1", ["data.dataset.seed=1"])):
         cwd = tmp_path_factory.mktemp(label)
-        done = run_cli(*extra, *QUICK, *tracked(mlflow_server, experiment), cwd=cwd)
+        done = run_cli(*extra, *QUICK, NO_PLAN, *tracked(mlflow_server, experiment), cwd=cwd)
         assert done.returncode == 0, done.stderr[-3000:]
         [job] = job_dirs(cwd)
         out[label] = (client.get_run((job / names.RUN_ID_FILE).read_text().strip()), job)

@@ -14,15 +14,17 @@ from hydraddp.tracking import names
 from hydraddp.tracking.run import LaunchRun, mlflow_client
 from hydraddp.train.checkpoint import step_dir
 from hydraddp.train.logged_model import model_folder
-from tests.helpers.spawn import job_dirs, run_cli
+from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
 from tests.tracking.test_mlflow import QUICK, tracked
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 STEPS = 12  # QUICK's trainer.max_steps
 
 
 def launched(cwd: Path, *overrides: str) -> tuple[Path, str]:
     """Run one launch in ``cwd``: its job directory and MLflow run id."""
-    done = run_cli(*QUICK, *overrides, cwd=cwd)
+    done = run_cli(*QUICK, NO_PLAN, *overrides, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     [job] = job_dirs(cwd)
     return job, (job / names.RUN_ID_FILE).read_text().strip()

@@ -11,8 +11,10 @@ import pytest
 
 from hydraddp.distributed.env import free_port
 from hydraddp.tracking import names
-from tests.helpers.spawn import run_together
+from tests.helpers.spawn import NO_PLAN, run_together
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 SECRET = "hunter2-do-not-show"
 
@@ -37,7 +39,7 @@ def two_node_run(mlflow_server, tmp_path_factory):
     nodes = run_together([([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={node}",
                             "launcher.nproc_per_node=2", f"launcher.rdzv_endpoint={endpoint}", "wrap=fsdp2",
                             "tracking.system_metrics.interval_s=1", f"+tracking.tags.api_token={SECRET}",
-                            "data.batch_size=64", *QUICK, *tracked(mlflow_server, experiment)],
+                            "data.batch_size=64", *QUICK, NO_PLAN, *tracked(mlflow_server, experiment)],
                            root / f"node{node}") for node in (0, 1)], timeout=300)
     assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-3000:] for n in nodes]
     [run] = runs_of(mlflow_server, experiment)

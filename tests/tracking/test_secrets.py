@@ -5,7 +5,11 @@ every artifact it holds, and in every checkpoint. Hydra's own .hydra/ files keep
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.spawn import job_dirs, run_cli
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 QUICK = ["trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=0"]
 

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, run_cli, run_process,
+from tests.helpers.spawn import (NO_PLAN, assert_no_orphans, child_env, job_dirs, run_cli, run_process,
                                  sigkill_rank_when_logged)
 
-BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=5"]
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
+BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=5", NO_PLAN]
 
 
 def export(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from tests.helpers.spawn import job_dirs, run_cli, run_parallel
+from tests.helpers.spawn import job_dirs, run_cli
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 pytest.importorskip("transformers", reason="the models extra: pip install 'hydraddp[models]'")
 
@@ -37,14 +39,14 @@ def test_a_transformers_causal_lm_trains_under_fsdp2_in_bf16_with_a_unit_per_dec
     assert run.data.metrics["eval/perplexity"] < 60
 
 
-def test_ddp_and_fsdp2_give_the_fp32_losses_of_one_process(tmp_path):
+def test_ddp_and_fsdp2_give_the_fp32_losses_of_one_process(pools):
     common = [*HF, "optim=sgd", "optim.optimizer.lr=0.1", "trainer.max_steps=5", "trainer.log_every=1",
               "trainer.eval_every=0", "data.batch_size=8", "trainer.grad_clip=null"]
-    [serial] = run_parallel("tests.train.workers:train_configs", {"one": [*common, "backend=none", "wrap=none",
-                                                                          "launcher.nproc_per_node=1"]},
-                            backend="none", nproc=1, tmp_path=tmp_path, timeout=300).values()
-    dist = run_parallel("tests.train.workers:train_configs",
-                        {wrap: [*common, f"wrap={wrap}"] for wrap in ("ddp", "fsdp2")}, tmp_path=tmp_path, timeout=300)
+    [serial] = pools.run("tests.train.workers:train_configs", {"one": [*common, "backend=none", "wrap=none",
+                                                                       "launcher.nproc_per_node=1"]},
+                         backend="none", nproc=1, timeout=300).values()
+    dist = pools.run("tests.train.workers:train_configs",
+                     {wrap: [*common, f"wrap={wrap}"] for wrap in ("ddp", "fsdp2")}, timeout=300)
     one = serial["one"]["losses"]
     assert len(one) == 5 and one[5] < one[1]
     for wrap in ("ddp", "fsdp2"):

@@ -7,10 +7,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, run_process, run_together,
                                  sigkill_rank_when_logged)
 from tests.train.test_checkpoint import export, losses, max_diff
+
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false"]
 

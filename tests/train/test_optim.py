@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hydraddp.build import wrap_kwargs
 from hydraddp.config.compose import compose
 from hydraddp.config.validate import problems
-from tests.helpers.spawn import run_parallel
 
 
-def test_no_decay_groups_hold_exactly_the_biases_and_norm_weights_under_every_wrap(tmp_path):
-    out = run_parallel("tests.train.workers:no_decay_groups", ["none", "ddp", "fsdp", "fsdp2"], tmp_path=tmp_path)
+def test_no_decay_groups_hold_exactly_the_biases_and_norm_weights_under_every_wrap(pools):
+    out = pools.run("tests.train.workers:no_decay_groups", ["none", "ddp", "fsdp", "fsdp2"])
     for rank in (0, 1):
         for wrap, groups in out[rank].items():
             assert groups["exempt"] == groups["expected"], wrap
@@ -27,10 +28,10 @@ def test_fsdp1_gets_its_original_parameters_and_a_flat_one_is_refused():
     assert "Drop wrap.kwargs.use_orig_params" in problem.fix
 
 
-def test_accumulating_four_micro_batches_is_one_step_with_one_gradient_reduction(tmp_path):
+def test_accumulating_four_micro_batches_is_one_step_with_one_gradient_reduction(pools):
     """trainer.accumulate_grad_batches=4 gives the parameters of K=1 at the same batch (fp32, 1e-5), and the ranks
     exchange gradients once per optimizer step, as with K=1 (counted by torch's CommDebugMode, not assumed)."""
-    out = run_parallel("tests.train.workers:accumulation", ["ddp", "fsdp", "fsdp2"], tmp_path=tmp_path)
+    out = pools.run("tests.train.workers:accumulation", ["ddp", "fsdp", "fsdp2"])
     for rank in (0, 1):
         for wrap in ("ddp", "fsdp", "fsdp2"):
             one, four = out[rank][(wrap, 1)], out[rank][(wrap, 4)]
@@ -46,8 +47,8 @@ def test_a_k_that_does_not_divide_the_per_rank_batch_is_refused_with_the_fix():
     assert "a divisor of 32 (2, 4, 8, 16, 32, ...)" in problem.fix
 
 
-def test_activation_checkpointing_keeps_the_losses_and_says_where_it_is(tmp_path):
-    out = run_parallel("tests.train.workers:activation_checkpointing", ["ddp", "fsdp", "fsdp2"], tmp_path=tmp_path)
+def test_activation_checkpointing_keeps_the_losses_and_says_where_it_is(pools):
+    out = pools.run("tests.train.workers:activation_checkpointing", ["ddp", "fsdp", "fsdp2"])
     for rank in (0, 1):
         for wrap in ("ddp", "fsdp", "fsdp2"):
             plain, checkpointed = out[rank][(wrap, False)], out[rank][(wrap, True)]
@@ -81,12 +82,13 @@ def test_activation_checkpointing_lowers_the_measured_peak_of_activations():
     assert peaks[True] < peaks[False] / 2, peaks
 
 
-def test_compiled_models_match_eager_losses_under_ddp_and_fsdp2(tmp_path):
+@pytest.mark.slow
+def test_compiled_models_match_eager_losses_under_ddp_and_fsdp2(pools):
     """trainer.compile=true: the whole MLP under ddp, and under fsdp2 too (it declares no blocks); the GPT per block
     before fully_shard. Dynamo really captures graphs (torch 2.13's own ``nn.Module.compile()`` would not, on
     nn.Sequential), and the losses are the eager ones within 1e-4."""
     runs = [("mlp", "ddp"), ("mlp", "fsdp2"), ("gpt", "fsdp2")]
-    out = run_parallel("tests.train.workers:compiled", runs, tmp_path=tmp_path, timeout=600)
+    out = pools.run("tests.train.workers:compiled", runs, timeout=600)
     expected = {"mlp": ["<root>"], "gpt": ["blocks.0", "blocks.1"]}
     for rank in (0, 1):
         for model, wrap in runs:

@@ -145,6 +145,7 @@ def test_what_a_task_cannot_read_is_named(task, batch, model, message):
     assert str(caught.value) == message
 
 
+@pytest.mark.slow
 def test_a_users_task_from_config_trains_on_two_ranks_and_is_recorded(tmp_path):
     """``task._target_=...`` with its own keyword: the loop trains with it, evaluation reports its metrics (eval/<name>
     in MLflow) and the run records the model's and the task's classes."""
@@ -152,9 +153,9 @@ def test_a_users_task_from_config_trains_on_two_ranks_and_is_recorded(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from tests.helpers.spawn import job_dirs, run_cli
+    from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
 
-    done = run_cli("trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4",
+    done = run_cli("trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4", NO_PLAN,
                    "task._target_=tests.train.user_task.TopTwo", "+task.label_smoothing=0.1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     [job] = job_dirs(tmp_path)

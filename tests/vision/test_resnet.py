@@ -13,13 +13,15 @@ import pytest
 
 from tests.helpers.spawn import job_dirs, run_cli, run_parallel
 
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+
 try:
     from hydraddp.models.vision import _torchvision
 
     _torchvision()
 except ImportError as exc:
     pytest.skip(f"no torchvision that loads beside this torch ({exc.__class__.__name__}); scripts/dev.sh test "
-                "runs these tests in .venv-vision", allow_module_level=True)
+                "runs these tests in a venv of its own", allow_module_level=True)
 
 
 def test_resnet18_trains_under_fsdp(tmp_path):
