@@ -420,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = groups(settings, db_uri)
         descriptions = {v.name: v.what for vs in plan.values() for v in vs}
         # One untimed run of each program: page cache, compiled bytecode, and the database that "exists".
-        log("warm-up")
-        for variant in (plan["ddp"][0], plan["ddp"][1], plan["ddp"][3]):
+        # (--smoke times nothing that it reports, so it needs none.)
+        for variant in () if args.smoke else (plan["ddp"][0], plan["ddp"][1], plan["ddp"][3]):
+            log(f"warm-up: {variant.name}")
             measure(variant, work)
         results: dict[str, list[Measurement]] = {}
         for name, variants in plan.items():

@@ -56,9 +56,28 @@ case "$command" in
     # The Horovod tests run for real: build it (once; later calls find it, or its cached wheel).
     PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh
     status=0
-    "$VENV/bin/python" -m pytest "$@" || status=$?
+    # tests/vision runs beside the main suite (its own venv, its own processes), and is waited for at the end.
     if [ "${HYDRADDP_VISION_TESTS:-1}" = 1 ]; then
-      vision_tests || status=$?
+      vision_log=$(mktemp)
+      vision_tests > "$vision_log" 2>&1 &
+      vision_pid=$!
     fi
+    # Two pytest-xdist workers, a file each at a time (a file's launches share its module fixtures): most of a
+    # launch's time is start-up and waiting, so two at once fill the 2 cores. The 25 slowest tests are printed.
+    main_log=$(mktemp)
+    set +e
+    "$VENV/bin/python" -m pytest -n "${HYDRADDP_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@" 2>&1 \
+      | tee "$main_log"
+    status=${PIPESTATUS[0]}
+    set -e
+    if [ "${HYDRADDP_VISION_TESTS:-1}" = 1 ]; then
+      echo "tests/vision (in $VISION_VENV):"
+      wait "$vision_pid" || status=$?
+      cat "$vision_log"
+      rm -f "$vision_log"
+      echo "the main suite (above):"
+      tail -n 1 "$main_log"  # its summary last again, after the vision tests'
+    fi
+    rm -f "$main_log"
     exit "$status" ;;
 esac

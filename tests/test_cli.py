@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import NO_PLAN, REPO, interrupt_when, job_dirs, run_cli, run_process, run_together
+from tests.helpers.spawn import (NO_PLAN, REPO, interrupt_when, job_dirs, rendezvous_port, run_cli, run_process,
+                                 run_together)
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -65,7 +66,7 @@ def test_under_torchrun_it_attaches_with_one_job_directory(tmp_path):
 
 
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{rendezvous_port()}"
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
     nodes = run_together([([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={rank}",

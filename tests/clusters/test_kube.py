@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 from hydraddp.clusters.kube import pod_overrides
-from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import REPO, job_dirs, run_process, run_together
+from tests.helpers.spawn import REPO, job_dirs, rendezvous_port, run_process, run_together
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", "tracking.enabled=false"]
 
@@ -41,7 +40,7 @@ def test_the_pods_variables_are_the_launchers_defaults_and_the_command_line_wins
 @pytest.mark.slow
 @pytest.mark.parametrize("through_torchrun", [False, True], ids=["python -m hydraddp", "torchrun -m hydraddp"])
 def test_two_pods_of_a_pytorchjob_form_one_world_of_two_and_train(tmp_path, through_torchrun):
-    port = free_port()
+    port = rendezvous_port()
     command = ([sys.executable, "-m", "torch.distributed.run", "-m", "hydraddp"] if through_torchrun
                else [sys.executable, "-m", "hydraddp"])
     pods = []

@@ -9,7 +9,7 @@ import pytest
 
 import hydraddp.distributed as idist
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import REPO, interrupt_when, run_parallel, run_process, run_together
+from tests.helpers.spawn import REPO, interrupt_when, rendezvous_port, run_parallel, run_process, run_together
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -119,7 +119,7 @@ NODE_SCRIPT = textwrap.dedent("""
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT)
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{rendezvous_port()}"
     nodes = run_together([([sys.executable, str(script), str(i), endpoint], REPO) for i in (0, 1)], timeout=120)
     results = sorted(line for node in nodes for line in node.stdout.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT (0, 2, 3)", "RESULT (1, 2, 3)"], [node.stderr[-2000:] for node in nodes]

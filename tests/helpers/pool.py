@@ -36,7 +36,8 @@ class ProcessGroupPool:
 
     def __init__(self, backend: str | None = "gloo", nproc: int = 2, log_dir: Path | None = None):
         self.backend, self.nproc = backend, nproc if backend else 1
-        self.log_path = (log_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / f"pool-{backend}-{nproc}-{uuid.uuid4().hex[:8]}.log"
+        log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        self.log_path = log_dir / f"pool-{backend}-{nproc}-{uuid.uuid4().hex[:8]}.log"
         self.proc: subprocess.Popen | None = None
         self.connections: dict[int, Connection] = {}
         self.token = ""
@@ -64,7 +65,8 @@ class ProcessGroupPool:
         listener.close()
         if len(accepted) < self.nproc:
             self.kill()
-            raise AssertionError(f"the pool's {self.nproc} workers did not all connect in {timeout_s}s:\n{self.log_tail()}")
+            raise AssertionError(f"the pool's {self.nproc} workers did not all connect in {timeout_s}s:\n"
+                                 f"{self.log_tail()}")
         self.connections = {pickle.loads(conn.recv_bytes()): conn for conn in accepted}
 
     def run(self, target: str, *args: Any, timeout: float = 180) -> dict[int, Any]:

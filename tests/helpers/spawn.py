@@ -28,6 +28,25 @@ TOKEN_VAR = "HYDRADDP_TEST_TOKEN"
 NO_PLAN = "plan.record=false"
 
 
+def rendezvous_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999), for a rendezvous that several "nodes" on loopback
+    join. A port from bind(0) is in that range, so a node that connects before node 0 listens could be given that
+    very port as its own source port and connect to itself (TCP's simultaneous open): its rendezvous never returns.
+    That hung a two-node test under load."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def processes_with_token(token: str) -> list[int]:
     """PIDs whose environment holds ``HYDRADDP_TEST_TOKEN=token`` (zombies excluded)."""
     needle = f"{TOKEN_VAR}={token}".encode()

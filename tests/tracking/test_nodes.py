@@ -9,9 +9,8 @@ import uuid
 
 import pytest
 
-from hydraddp.distributed.env import free_port
 from hydraddp.tracking import names
-from tests.helpers.spawn import NO_PLAN, run_together
+from tests.helpers.spawn import NO_PLAN, rendezvous_port, run_together
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
@@ -25,7 +24,7 @@ def git(cwd, *args):
 
 @pytest.fixture(scope="module")
 def two_node_run(mlflow_server, tmp_path_factory):
-    root, experiment, endpoint = tmp_path_factory.mktemp("nodes"), f"nodes-{uuid.uuid4().hex[:6]}", f"127.0.0.1:{free_port()}"
+    root, experiment, endpoint = tmp_path_factory.mktemp("nodes"), f"nodes-{uuid.uuid4().hex[:6]}", f"127.0.0.1:{rendezvous_port()}"
     for node in (0, 1):
         (root / f"node{node}").mkdir()
     # Node 0 launches from the user's own git working tree, with a change not committed yet.

@@ -165,7 +165,7 @@ def requests_during(server, action) -> list[str]:
     return [f"{m[1]} {m[2].split('?')[0]}" for m in REQUEST.finditer(text) if sentinel not in m[2]], result
 
 
-def test_a_resume_merges_its_table_in_seconds_without_reading_metric_histories(mlflow_server, launched, tmp_path):
+def test_a_resume_merges_its_table_without_reading_metric_histories(mlflow_server, launched, tmp_path):
     run_id, first = launched["run"].info.run_id, launched["written"]
     # Resumed from step 12: steps 13..20 are replayed, 21..24 are new. Its first step logs the sharding again and its
     # end the memory peak; no tensor peak (not measured again), so the run's own table must keep rank 0..511's.
@@ -174,13 +174,12 @@ def test_a_resume_merges_its_table_in_seconds_without_reading_metric_histories(m
                     run_id=run_id, resuming=True, resumed_from={"checkpoint": "step_00000012", "step": 12})
 
     def resume():
-        began = time.perf_counter()
         run.start()
-        finished = run.finish("FINISHED")
-        return finished, time.perf_counter() - began
+        return run.finish("FINISHED")
 
-    requests, (finished, seconds) = requests_during(mlflow_server, resume)
-    assert finished and seconds < 5.0, seconds
+    # What makes it take seconds at any size is what it asks the server for (below), not a timed assertion here.
+    requests, finished = requests_during(mlflow_server, resume)
+    assert finished
     # How far the run got came from the run's latest metrics (runs/get), never from a metric's history; the one
     # artifact read is the table it merges with.
     assert not [r for r in requests if "get-history" in r], requests

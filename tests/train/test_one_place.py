@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, run_process, run_together,
+from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, rendezvous_port, run_process, run_together,
                                  sigkill_rank_when_logged)
 from tests.train.test_checkpoint import export, losses, max_diff
 
@@ -21,7 +21,7 @@ BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "tracking.en
 
 def two_nodes(tmp_path: Path, where: str, *overrides: str, per_node: dict[int, list[str]] | None = None):
     """2 nodes x 2 ranks on loopback, each node in its own working directory."""
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{rendezvous_port()}"
     commands = []
     for node in (0, 1):
         cwd = tmp_path / where / f"node{node}"

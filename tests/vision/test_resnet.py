@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.helpers.spawn import job_dirs, run_cli, run_parallel
+from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli, run_parallel
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -25,7 +25,7 @@ except ImportError as exc:
 
 
 def test_resnet18_trains_under_fsdp(tmp_path):
-    done = run_cli("model=resnet18", "wrap=fsdp", "trainer.max_steps=30", "trainer.log_every=10",
+    done = run_cli("model=resnet18", "wrap=fsdp", "trainer.max_steps=30", "trainer.log_every=10", NO_PLAN,
                    "trainer.eval_every=0", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     [job] = job_dirs(tmp_path)
