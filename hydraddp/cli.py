@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 
 from hydraddp.config.overrides import normalize_overrides
 from hydraddp.distributed.env import detect_launch_env, slurm_allocation_outside_step
+from hydraddp.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED, EXIT_WORKER_FAILED
 from hydraddp.tracking import names
 
-EXIT_OK, EXIT_WORKER_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 OUTCOME_FILE = "outcome.json"  # in a sweep job's directory: what the job's launch ended with, for the summary
 RESULT_FILE = "result.json"  # in the job directory: rank 0's TrainResult
 

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hydraddp.config.instantiate import instantiate, model_kwargs
-from hydraddp.train.checkpoint import CheckpointError, check_matches, read_meta
+from hydraddp.train.checkpoint import CheckpointError, check_matches, read_meta, reader
 
 
 def export(checkpoint: Path, out: Path) -> Path:
@@ -30,7 +30,7 @@ def export(checkpoint: Path, out: Path) -> Path:
     with warnings.catch_warnings():
         # One process reading a checkpoint is what no_dist means; DCP still warns that no group exists.
         warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
-        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # only the model's keys are read
+        dcp.load(state, storage_reader=reader(checkpoint), no_dist=True)  # only the model's keys are read
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state["model"], out)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_INVALID = 2
+from hydraddp.exit_codes import EXIT_INVALID
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hydraddp.config.compose import compose
     from hydraddp.config.overrides import normalize_overrides
-    from hydraddp.tracking.names import is_secret_key
+    from hydraddp.redaction import is_secret_key
 
     overrides = [o for o in normalize_overrides(args.overrides) if not o.startswith(("tracking.uri=", "+tracking.uri="))]
     secret = [o.split("=")[0] for o in overrides if is_secret_key(o.split("=")[0].lstrip("+~"))]

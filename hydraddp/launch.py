@@ -28,7 +28,7 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
 
     # Each node's launcher (or, under torchrun, each process) made its own job directory: all take one.
     decides = idist.get_rank() == 0 if attached else plain_cfg["launcher"]["node_rank"] == 0 and local_rank == 0
-    own_job_dir, job_dir = job_dir, agreed_job_dir(job_dir, decides)
+    own_job_dir, job_dir = job_dir, broadcast_job_dir(job_dir, decides)
     if idist.get_local_rank() == 0 and (not attached or idist.get_rank() == 0):
         # Which ranks ran on this node, for its tracker to upload their logs (attached, the other nodes' ranks
         # composed in ".", the user's directory: nothing is written there).
@@ -74,7 +74,7 @@ def job_dir_from_agent(proposed: str) -> str | None:
     return store.compare_set(f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", proposed).decode()
 
 
-def agreed_job_dir(proposed: str, decides: bool) -> str:
+def broadcast_job_dir(proposed: str, decides: bool) -> str:
     """One job directory for every rank of the launch, on every node and across restarts: the deciding
     process's (node 0's, rank 0's under torchrun) as the elastic agent keeps it, broadcast to the others.
     Only the decider talks to the agent's store."""

@@ -12,8 +12,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydraddp.distributed.compat import Problem
+from hydraddp.distributed.combinations import Problem
 from hydraddp.distributed.env import detect_launch_env
+from hydraddp import redaction
 from hydraddp.tracking import names
 
 
@@ -80,6 +81,21 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dic
     return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
+def _attached_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+    """Started by torchrun, srun or mpirun, the launcher's tasks are the ranks: a launcher.nproc_per_node typed on the
+    command line that differs from the tasks on this node would silently run fewer (or more) processes."""
+    launch = detect_launch_env()
+    typed = [o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith("launcher.nproc_per_node=")]
+    if launch is None or not typed or int(cfg.launcher.nproc_per_node) == launch.local_world_size:
+        return []
+    return [Problem(("launcher.nproc_per_node",),
+                    f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}, but {launch.source} started "
+                    f"{launch.local_world_size} task(s) on this node, and each task is one rank.",
+                    f"Drop launcher.nproc_per_node (the {launch.source} tasks are the ranks), or start "
+                    f"{cfg.launcher.nproc_per_node} per node (srun --ntasks-per-node={cfg.launcher.nproc_per_node}, "
+                    f"torchrun --nproc_per_node={cfg.launcher.nproc_per_node}).")]
+
+
 def _tracks_here(cfg: DictConfig) -> bool:
     """The launch's one MLflow run lives in rank 0's process when attached, else in node 0's launcher."""
     launch = detect_launch_env()
@@ -96,7 +112,7 @@ def _tracking_problems(cfg: DictConfig) -> list[Problem]:
                     "Start the server, point tracking.uri at a running one, or set tracking.enabled=false.")]
 
 
-def agreed_job_dir(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
+def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
     """The launch's job directory, and whether this is a restart. Rank 0 under torchrun asks the agent: after
     ``torchrun --max-restarts`` restarted the group, it goes on in the first attempt's directory, with that
     attempt's run and checkpoints, and the directory Hydra just made is removed (``remove_untouched``)."""
@@ -128,11 +144,11 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     """
     from hydraddp.config.validate import combination_of, problems, resolve_backend
     from hydraddp.distributed import machine
-    from hydraddp.distributed.compat import resolve_wrap
+    from hydraddp.distributed.combinations import resolve_wrap
 
     cfg.backend.name = resolve_backend(cfg.backend.name)
     combo = combination_of(cfg)
-    found = problems(cfg, combo)
+    found = problems(cfg, combo) + _attached_problems(cfg, overrides)
     preemptions = _resume_after_preemption(cfg, job_dir) if not found else 0
     resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found else ([], None)
     found += resume_problems
@@ -141,11 +157,11 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
         found += _tracking_problems(cfg)
     if found:
         return found
-    job_dir, restarted = agreed_job_dir(job_dir, remove_untouched)
-    secrets = frozenset(names.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
+    job_dir, restarted = job_dir_after_restart(job_dir, remove_untouched)
+    secrets = frozenset(redaction.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
     config = resolve(cfg)
     return LaunchPlan(
-        config=config, saved_config=names.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
+        config=config, saved_config=redaction.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
         overrides=tuple(overrides), sweeping=sweeping, wrap=resolve_wrap(combo), world_size=combo.world_size,
         tracks=tracks, resumed_from=resumed_from, preemptions=preemptions, restarted=restarted,
         started_at=started_at(sweeping, job_num),

@@ -42,7 +42,7 @@ def _before_submission_problems(config: DictConfig) -> list:
     """What must be refused before any job is submitted: a tracking file that jobs on other machines cannot write,
     and, for one launch through submitit, everything a local launch would refuse."""
     from hydraddp.clusters.submitit import REMOTE_LAUNCHERS
-    from hydraddp.distributed.compat import Problem
+    from hydraddp.distributed.combinations import Problem
 
     found = []
     uri = str(config.tracking.uri or "")
@@ -72,7 +72,8 @@ def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def _report_single(outcome: dict[str, Any] | None) -> None:
     """One launch through submitit: say how it ended, with the contract's exit code."""
-    from hydraddp.cli import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED, LaunchEnded
+    from hydraddp.cli import LaunchEnded
+    from hydraddp.exit_codes import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED
 
     if outcome is None:
         print("hydraddp: the submitit job left no outcome (see its log under .submitit/)", file=sys.stderr)
@@ -100,7 +101,8 @@ class SweepSummary(Callback):
         if _submitit(config):
             found = _before_submission_problems(config)
             if found:
-                from hydraddp.cli import EXIT_INVALID, LaunchEnded
+                from hydraddp.cli import LaunchEnded
+                from hydraddp.exit_codes import EXIT_INVALID
 
                 print("hydraddp: invalid configuration; nothing was submitted:", file=sys.stderr)
                 for problem in found:
@@ -114,7 +116,7 @@ class SweepSummary(Callback):
 
         from omegaconf import OmegaConf
 
-        from hydraddp.tracking.names import redact_overrides, secret_paths
+        from hydraddp.redaction import redact_overrides, secret_paths
 
         uri = tracking_uri(config)
         if preflight(uri) is None:  # otherwise every job reports the unreachable server itself
@@ -147,6 +149,7 @@ class SweepSummary(Callback):
         if self.outcomes:
             print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
         if failed:
-            from hydraddp.cli import EXIT_WORKER_FAILED, LaunchEnded
+            from hydraddp.cli import LaunchEnded
+            from hydraddp.exit_codes import EXIT_WORKER_FAILED
 
             raise LaunchEnded(EXIT_WORKER_FAILED)

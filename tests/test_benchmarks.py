@@ -18,6 +18,7 @@ FIGURES = {"steady_ddp", "steady_fsdp2", "steady_ignite", "steady_fabric", "stea
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 20 launches one after another: 270 s here at idle, more beside other tests
 def test_the_harness_measures_every_figure_and_the_peers_train_the_same_model(tmp_path):
     results, markdown = tmp_path / "results.json", tmp_path / "RESULTS.md"
     markdown.write_text(f"# Results\n\nwritten by hand\n\n{BEGIN}\nold table\n{END}\n\nanalysis by hand\n")

@@ -9,12 +9,13 @@ import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
-from tests.helpers.spawn import (NO_PLAN, REPO, interrupt_when, job_dirs, rendezvous_port, run_cli, run_process,
-                                 run_together)
+from tests.helpers.spawn import (NO_PLAN, REPO, UNTRACKED, interrupt_when, job_dirs, rendezvous_port, run_cli,
+                                 run_process, run_together)
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", NO_PLAN]
+UNTRACKED_QUICK = [*QUICK, UNTRACKED]  # for what the tracker is no part of; the sweep below is tracked
 DONE = re.compile(r"hydraddp: done\. (\d+) steps at world size (\d+): loss ([\d.]+)")
 
 
@@ -24,31 +25,58 @@ def finished(output: str) -> tuple[int, int, float]:
     return int(match[1]), int(match[2]), float(match[3])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "fsdp2"])
-def test_two_process_training_leaves_one_job_directory(tmp_path, wrap, precision):
-    done = run_cli(f"wrap={wrap}", f"precision={precision}", *QUICK, cwd=tmp_path)
+WRAPS, PRECISIONS = ("ddp", "fsdp", "fsdp2"), ("fp32", "bf16")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One multirun of every wrap x precision, tracked as a launch is by default: six trainings of two processes
+    each, a job directory each, and the sweep's summary (one launcher, not six)."""
+    root = tmp_path_factory.mktemp("sweep")
+    done = run_cli("-m", f"wrap={','.join(WRAPS)}", f"precision={','.join(PRECISIONS)}", *QUICK, cwd=root, timeout=800)
     assert done.returncode == 0, done.stderr[-4000:]
-    steps, world, loss = finished(done.stdout)
-    assert (steps, world) == (12, 2) and loss < 2.3  # log(10) = 2.30 is where an untrained classifier starts
-    [job] = job_dirs(tmp_path)
+    jobs = {}
+    for job in sorted(root.glob("multirun/*/*/*/.hydra")):
+        saved = yaml.safe_load((job / "config.yaml").read_text())
+        jobs[saved["wrap"]["name"], saved["precision"]["name"]] = job.parent
+    return done, jobs
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_two_process_training_leaves_one_job_directory(sweep, wrap, precision):
+    done, jobs = sweep
+    job = jobs[wrap, precision]
     assert sorted(p.name for p in (job / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     assert f"auto_model: wrap={wrap} precision={precision}" in (job / "logs" / "rank1.log").read_text()
-    saved = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
-    assert (saved["wrap"]["name"], saved["precision"]["name"]) == (wrap, precision)
-    result = json.loads((job / "result.json").read_text())  # rank 0's result, as the done line says
-    assert (result["steps"], result["world_size"], round(result["final_loss"], 4)) == (steps, world, loss)
+    result = json.loads((job / "result.json").read_text())  # rank 0's result, as its done line says
+    assert (result["steps"], result["world_size"]) == (12, 2)
+    assert result["final_loss"] < 2.3  # log(10) = 2.30 is where an untrained classifier starts
+    assert f"12 steps at world size 2: loss {result['final_loss']:.4f}" in done.stdout
     assert len(result["reports"]) == 2 and result["reports"][0]["wrapper"] == wrap
+    # Throughput is the global batch over the step time (of the last logging window), not any positive number.
+    batch = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["data"]["batch_size"]
+    assert result["samples_per_s"] == pytest.approx(batch / result["step_time_s"], rel=1e-6)
     assert result["steady_samples_per_s"] > 0 and len(result["peak_memory_bytes"]) == 2
 
 
+@pytest.mark.timeout(900)
+def test_a_multirun_completes_every_job_with_a_summary(sweep):
+    done, jobs = sweep
+    assert sorted(jobs) == sorted((w, p) for w in WRAPS for p in PRECISIONS)
+    assert done.stdout.count("hydraddp: done.") == len(jobs)
+    table = done.stdout.split("hydraddp sweep summary", 1)[1]
+    assert len(re.findall(r"^\s*\d+\s+ok\s", table, re.M)) == len(jobs)
+
+
 def test_the_same_seed_gives_the_same_training(tmp_path):
-    losses = [finished(run_cli(*QUICK, "trainer.seed=3", cwd=tmp_path / str(i)).stdout)[2] for i in range(2)]
+    losses = [finished(run_cli(*UNTRACKED_QUICK, "trainer.seed=3", cwd=tmp_path / str(i)).stdout)[2] for i in range(2)]
     assert losses[0] == losses[1]
 
 
 def test_gpt_experiment_shards_its_blocks(tmp_path):
-    done = run_cli("experiment=gpt_fsdp2", "trainer.max_steps=4", "trainer.eval_every=0", "model.depth=2",
+    done = run_cli("experiment=gpt_fsdp2", "trainer.max_steps=4", "trainer.eval_every=0", "model.depth=2", NO_PLAN, UNTRACKED,
                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     [job] = job_dirs(tmp_path)
@@ -57,7 +85,7 @@ def test_gpt_experiment_shards_its_blocks(tmp_path):
 
 def test_under_torchrun_it_attaches_with_one_job_directory(tmp_path):
     done = run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "hydraddp", *QUICK], cwd=tmp_path, timeout=180)
+                        f"--master_port={free_port()}", "-m", "hydraddp", *UNTRACKED_QUICK], cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     assert finished(done.stdout)[:2] == (12, 2)
     assert done.stdout.count("hydraddp: done.") == 1  # one report, from rank 0
@@ -70,7 +98,7 @@ def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
     nodes = run_together([([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={rank}",
-                            "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *QUICK],
+                            "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *UNTRACKED_QUICK],
                            tmp_path / f"node{rank}") for rank in (0, 1)])
     assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-3000:] for node in nodes]
     # One training of world size 2, in one job directory: node 0's, where both ranks logged the same losses.
@@ -82,18 +110,9 @@ def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     assert losses[0] == losses[1] != []
 
 
-def test_multirun_of_2x2_jobs_completes_with_a_summary(tmp_path):
-    done = run_cli("-m", "wrap=ddp,fsdp2", "precision=fp32,bf16", *QUICK, cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("hydraddp: done.") == 4
-    table = done.stdout.split("hydraddp sweep summary", 1)[1]
-    assert len(re.findall(r"^\s*\d+\s+ok\s", table, re.M)) == 4
-    assert len(list(tmp_path.glob("multirun/*/*/*/.hydra"))) == 4
-
-
 def test_a_broken_job_does_not_stop_the_sweep(tmp_path):
     # Job 1 is invalid (63 does not split over 2 ranks); job 2's worker raises (a negative learning rate).
-    done = run_cli("-m", "data.batch_size=64,63", "optim.optimizer.lr=0.003,-1", *QUICK, cwd=tmp_path, timeout=300)
+    done = run_cli("-m", "data.batch_size=64,63", "optim.optimizer.lr=0.003,-1", *UNTRACKED_QUICK, cwd=tmp_path, timeout=300)
     assert done.returncode == 1
     table = done.stdout.split("hydraddp sweep summary", 1)[1]
     statuses = re.findall(r"^\s*\d+\s+(\w+)\s", table, re.M)
@@ -122,7 +141,7 @@ def test_help_lists_every_group_and_its_options(tmp_path):
 
 
 def test_a_failing_worker_exits_1_with_one_short_block(tmp_path):
-    done = run_cli("optim.optimizer.lr=-1", *QUICK, cwd=tmp_path)
+    done = run_cli("optim.optimizer.lr=-1", *UNTRACKED_QUICK, cwd=tmp_path)
     assert done.returncode == 1
     rank = re.search(r"hydraddp: rank (\d) failed: ValueError: Invalid learning rate: -1", done.stderr)[1]
     # One block: the rank and error, the last frames, where the whole traceback is. Not two full tracebacks.
@@ -138,7 +157,7 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
         logs = list(tmp_path.glob("outputs/*/*/logs/rank1.log"))
         return bool(logs) and "step 1 " in logs[0].read_text()
 
-    done = interrupt_when([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=1"],
+    done = interrupt_when([sys.executable, "-m", "hydraddp", "trainer.max_steps=100000", "trainer.log_every=1", UNTRACKED],
                           ready=training, cwd=tmp_path)
     assert done.returncode == 130, done.stderr[-3000:]
     assert "interrupted; every worker was stopped" in done.stderr
@@ -146,7 +165,7 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
 
 def test_inside_a_slurm_allocation_but_not_an_srun_step_it_launches_locally(tmp_path):
     # An salloc shell or sbatch script: SLURM_PROCID/SLURM_NTASKS are set, but no srun step started 4 ranks.
-    done = run_cli(*QUICK, "tracking.enabled=false", cwd=tmp_path, timeout=120,
+    done = run_cli(*UNTRACKED_QUICK, cwd=tmp_path, timeout=120,
                    env={"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
     assert done.returncode == 0, done.stderr[-4000:]
     assert finished(done.stdout)[:2] == (12, 2)  # launcher.nproc_per_node=2, not the allocation's 4 tasks

@@ -1,6 +1,6 @@
 """Whole-combination validation of a composed config, in the main process, before any worker starts.
 
-The rules are the core's (``hydraddp.distributed.compat``); this module maps config keys onto them and
+The rules are the core's (``hydraddp.distributed.combinations``); this module maps config keys onto them and
 adds the few that only exist in config (scaler settings, multi-node rendezvous).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydraddp.distributed.compat import Combination, Problem, check_compatibility
+from hydraddp.distributed.combinations import Combination, Problem, check_compatibility
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp.distributed.machine import combination, cuda_device_count
 from hydraddp.tracking import names
@@ -66,6 +66,7 @@ def combination_of(cfg: DictConfig) -> Combination:
         compile=cfg.trainer.compile,
         world_size=world_size(cfg),
         nproc_per_node=nproc_per_node(cfg),
+        attached=detect_launch_env() is not None,
         global_batch_size=cfg.data.batch_size,
         names=names,
     )

@@ -22,7 +22,7 @@ _EXPORTS = {
     "auto": ("DistributedProxySampler", "auto_dataloader", "auto_model", "auto_optim", "grad_scaler"),
     "launcher": ("Parallel",),
     # hydraddp's own.
-    "compat": ("BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "Problem",
+    "combinations": ("BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "Problem",
                "check_compatibility", "resolve_wrap"),
     "elastic": ("WorkerFailedError", "worker_start_method"),
     "env": ("LaunchEnv", "detect_launch_env", "free_port"),

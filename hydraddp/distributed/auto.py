@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
 from hydraddp.distributed import machine, policies, utils, wrappers
-from hydraddp.distributed.compat import Combination, ConfigurationError, Problem, resolve_wrap
+from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
 from hydraddp.distributed.report import ROOT, WrapRecord

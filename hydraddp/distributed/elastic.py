@@ -180,16 +180,13 @@ def launch(
     tee: bool = True,
     monitor_interval: float = 0.1,
     start_method: str = "spawn",
-    join: bool = True,
-    daemon: bool = False,
     **init_kwargs: Any,
 ) -> dict[int, Any]:
     """Spawn ``nproc_per_node`` workers through ``torch.distributed.launcher.api.elastic_launch``.
 
     One node uses torchrun's static rendezvous; ``nnodes>1`` uses c10d at ``rdzv_endpoint`` (or
     ``master_addr:master_port``), hosted by node 0. ``max_restarts`` restarts the group, ``log_dir`` gets per-rank
-    logs, ``init_kwargs`` go to each worker's ``initialize``. ``join``/``daemon`` (torch.multiprocessing's) are
-    accepted for ignite's callers and have no effect: the agent always waits for its workers.
+    logs, ``init_kwargs`` go to each worker's ``initialize``.
     Returns ``{global_rank: fn's return value}`` for this node's ranks.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std

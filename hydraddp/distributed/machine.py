@@ -14,31 +14,48 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hydraddp.distributed.compat import Combination, ConfigurationError, check_compatibility
+from hydraddp.distributed.combinations import Combination, ConfigurationError, check_compatibility
 
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU, listed by the driver itself
+AMD_GPU_NODES = Path("/sys/class/kfd/kfd/topology/nodes")  # ROCm's topology: CPUs and GPUs, a GPU has SIMD units
 
 
-def _visible(count: int, env: Mapping[str, str]) -> int:
-    """``count`` GPUs as CUDA_VISIBLE_DEVICES narrows them (CUDA stops at the first invalid entry)."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return count
-    entries = []
-    for entry in visible.split(","):
-        entry = entry.strip()
-        if not entry or entry.startswith("-"):
-            break
-        entries.append(entry)
-    return min(count, len(entries))
+def _visible(count: int, env: Mapping[str, str], variables: Iterable[str] = ("CUDA_VISIBLE_DEVICES",)) -> int:
+    """``count`` GPUs as each set variable narrows them (the runtime stops at the first invalid entry)."""
+    for variable in variables:
+        visible = env.get(variable)
+        if visible is None:
+            continue
+        entries = []
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            entries.append(entry)
+        count = min(count, len(entries))
+    return count
 
 
-def cuda_device_count(env: Mapping[str, str] | None = None, gpus_dir: Path = NVIDIA_GPUS) -> int:
-    """GPUs this process could use, found without touching the CUDA driver: a launcher that forks its
-    workers after ``cuInit`` hands them a CUDA they cannot use. A CPU build of torch has none (known from
-    its version, without importing it); on Linux the NVIDIA driver lists its GPUs in /proc; elsewhere
-    ``torch.cuda.device_count()`` asks NVML first."""
+def _amd_gpus(nodes: Path) -> int:
+    """GPUs in ROCm's KFD topology: the nodes with SIMD units (a CPU node has ``simd_count 0``)."""
+    count = 0
+    for properties in nodes.glob("*/properties"):
+        try:
+            fields = dict(line.split(None, 1) for line in properties.read_text().splitlines() if " " in line)
+        except OSError:
+            continue
+        count += int(fields.get("simd_count", "0").strip() or 0) > 0
+    return count
+
+
+def cuda_device_count(env: Mapping[str, str] | None = None, gpus_dir: Path = NVIDIA_GPUS,
+                      amd_nodes: Path = AMD_GPU_NODES) -> int:
+    """GPUs this process could use (``torch.cuda``'s devices: NVIDIA's, or AMD's under ROCm), found without touching
+    the driver: a launcher that forks its workers after ``cuInit`` hands them a GPU they cannot use. A CPU build of
+    torch has none (known from its version, without importing it); on Linux the NVIDIA driver lists its GPUs in
+    /proc and the AMD driver its nodes in /sys (narrowed by ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES and
+    CUDA_VISIBLE_DEVICES, as ROCm narrows them); elsewhere ``torch.cuda.device_count()`` asks NVML first."""
     env = os.environ if env is None else env
     try:
         if importlib.metadata.version("torch").endswith("+cpu"):
@@ -47,11 +64,24 @@ def cuda_device_count(env: Mapping[str, str] | None = None, gpus_dir: Path = NVI
         return 0
     if gpus_dir.is_dir():
         return _visible(sum(1 for _ in gpus_dir.iterdir()), env)
+    if amd_nodes.is_dir():
+        return _visible(_amd_gpus(amd_nodes), env, ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"))
     if sys.platform == "linux":
-        return 0  # no NVIDIA driver loaded
+        return 0  # no GPU driver loaded
     import torch
 
     return torch.cuda.device_count()
+
+
+def rank_device_index(local_rank: int, visible: int) -> int:
+    """The GPU index a rank uses among the ``visible`` ones: its local rank, or the one GPU its process sees
+    (``srun --gpus-per-task=1`` gives every task a GPU of its own, which it sees as device 0)."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {visible} GPU(s). Give "
+                       "every rank one (launcher.nproc_per_node at most the GPUs, or srun --gpus-per-task=1).")
 
 
 CPUINFO = Path("/proc/cpuinfo")

@@ -173,14 +173,33 @@ def compile_module(module: nn.Module) -> None:
     so torch's own classes (``nn.Sequential``) silently stay eager; and FSDP2's hooks inside that call break the
     graph before the forward. A function of ours is traced, and Dynamo inlines the module's forward from there.
     """
-    import torch
+    module.forward = CompiledForward(module)
 
-    forward = module.forward
 
-    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
+class CompiledForward:
+    """A module's compiled forward, kept on the instance as a plain object that holds the module and compiles on
+    first call. ``copy.deepcopy`` (EMA, ``AveragedModel``) gives the copy one that holds the copy, so the copy runs
+    its own weights; pickling drops the compiled function and the unpickled module compiles again. (A closure over
+    the original bound ``forward`` ran the original's weights in every copy, and did not pickle.)"""
 
-    module.forward = torch.compile(compiled_forward)
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._compiled: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            import torch
+
+            eager = type(self.module).forward.__get__(self.module)
+
+            def compiled_forward(*args: Any, **kwargs: Any) -> Any:
+                return eager(*args, **kwargs)
+
+            self._compiled = torch.compile(compiled_forward)
+        return self._compiled(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "_compiled": None}
 
 
 def compile_blocks(model: nn.Module, classes: Iterable[type | str]) -> list[str]:

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydraddp.distributed.compat import PRECISIONS
+from hydraddp.distributed.combinations import PRECISIONS
+from hydraddp.distributed.trees import cast_floats
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,6 @@ def fsdp2_mp_policy(spec: PrecisionSpec, output_dtype: torch.dtype | None = None
     return MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=spec.reduce_dtype, output_dtype=output_dtype)
 
 
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
-
-
 _AUTOCASTS = threading.local()  # per thread: DataParallel runs each replica's forward in a thread of its own
 
 
@@ -89,7 +80,7 @@ class PrecisionHooks:
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if self.inputs_dtype is not None:
-            args, kwargs = _cast_floats(args, self.inputs_dtype), _cast_floats(kwargs, self.inputs_dtype)
+            args, kwargs = cast_floats(args, self.inputs_dtype), cast_floats(kwargs, self.inputs_dtype)
         if self.autocast_dtype is not None:
             context = torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
             context.__enter__()
@@ -99,7 +90,7 @@ class PrecisionHooks:
     def after(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         if self.autocast_dtype is not None:
             _AUTOCASTS.stack.pop().__exit__(None, None, None)
-        return _cast_floats(output, torch.float32)
+        return cast_floats(output, torch.float32)
 
 
 def add_precision_hooks(module: nn.Module, spec: PrecisionSpec, device_type: str, autocast: bool) -> None:

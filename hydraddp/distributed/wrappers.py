@@ -23,9 +23,14 @@ from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision,
 _REPLACED_PARAMS: dict[int, weakref.ref] = {}
 
 
-def _remember_replaced(params: Iterable[torch.Tensor]) -> None:
+def _remember_replaced(params: Iterable[torch.Tensor], wrapped: nn.Module) -> None:
+    """Remember ``params`` (the model's before wrapping) that ``wrapped`` no longer holds. FSDP1 with
+    ``use_orig_params=True`` keeps the original parameter objects (their storage becomes views of the flat
+    parameter): an optimizer over them trains the wrapped model, and must not be refused."""
+    kept = {id(p) for p in wrapped.parameters()}
     for p in params:
-        _REPLACED_PARAMS[id(p)] = weakref.ref(p, lambda _, key=id(p): _REPLACED_PARAMS.pop(key, None))
+        if id(p) not in kept:
+            _REPLACED_PARAMS[id(p)] = weakref.ref(p, lambda _, key=id(p): _REPLACED_PARAMS.pop(key, None))
 
 
 def was_replaced(param: torch.Tensor) -> bool:
@@ -94,7 +99,7 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
             kwargs[key] = _enum(enum_cls, kwargs[key])
     before = list(model.parameters())
     wrapped = FSDP(model, **kwargs)
-    _remember_replaced(before)
+    _remember_replaced(before, wrapped)
     return wrapped
 
 
@@ -134,7 +139,7 @@ def wrap_fsdp2(
             fully_shard(module, mp_policy=unit_mp, **common)
     if not is_sharded(model):
         fully_shard(model, mp_policy=root_mp, **common)
-    _remember_replaced(before)
+    _remember_replaced(before, model)
     return model
 
 

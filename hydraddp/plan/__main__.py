@@ -17,10 +17,10 @@ import json
 import sys
 from pathlib import Path
 
+from hydraddp.exit_codes import EXIT_INVALID
 from hydraddp.plan.choose import WRAPS, within_budget, without_wrap
 from hydraddp.plan.estimate import Estimate
 
-EXIT_INVALID = 2
 GIB = 1024**3
 
 
@@ -42,7 +42,7 @@ def plan_overrides(overrides: list[str]) -> Estimate:
 def _planned(overrides: tuple[str, ...]) -> Estimate:
     from hydraddp.config.compose import compose
     from hydraddp.config.validate import combination_of, problems, resolve_backend, world_size
-    from hydraddp.distributed.compat import ConfigurationError
+    from hydraddp.distributed.combinations import ConfigurationError
     from hydraddp.plan.estimate import estimate
 
     cfg = compose(list(overrides))
@@ -89,7 +89,7 @@ def render_table(rows: list[tuple[str, Estimate | None, str | None]], current: s
 
 def every_wrap(overrides: list[str], est: Estimate) -> list[tuple[str, Estimate | None, str | None]]:
     """(wrap, its estimate or None, why it cannot run) for every wrap, at the config's other settings."""
-    from hydraddp.distributed.compat import ConfigurationError
+    from hydraddp.distributed.combinations import ConfigurationError
 
     rows = []
     for wrap in WRAPS:
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from hydraddp.config.compose import compose
-    from hydraddp.distributed.compat import ConfigurationError
+    from hydraddp.distributed.combinations import ConfigurationError
     from hydraddp.distributed.machine import cpu_has_fast_bf16, precision_warnings
 
     try:

@@ -1,8 +1,8 @@
-"""The MLflow names of the contract, and the flattening, redaction and truncation of params (no mlflow here)."""
+"""The MLflow names of the contract, and the flattening and truncation of params (no mlflow here; redaction is
+``hydraddp.redaction``)."""
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -111,12 +111,9 @@ PLAN_CHECKED = {"param_bytes": "sharding/param_bytes/rank0", "grad_bytes": "shar
 
 AGGREGATES = ("max", "min", "mean")
 
-REDACTED = "***redacted***"
 TRUNCATED = "...[truncated; full value in config.yaml]"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 MAX_TAG_LENGTH = 8000  # MLflow's limit on a tag value
-SECRET_KEY = re.compile(r"pass(word|wd)?|token|secret|api[_-]?key|credential|private[_-]?key", re.I)
-ENV_INTERPOLATION = re.compile(r"\$\{oc\.env:")
 
 
 def per_rank_metrics(base: str, values: list[float]) -> dict[str, float]:
@@ -146,31 +143,6 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def is_secret_key(dotted: str) -> bool:
-    """True when any part of ``dotted`` looks like a password/token/secret: ``trainer.secrets.db`` is one."""
-    return any(SECRET_KEY.search(part) for part in dotted.split("."))
-
-
-def secret_paths(unresolved: dict[str, Any]) -> set[str]:
-    """Dotted keys whose value comes from ``${oc.env:...}``, or that sit anywhere under a key that looks like
-    a password/token/secret (at any depth)."""
-    return {key for key, value in flatten(unresolved).items()
-            if (isinstance(value, str) and ENV_INTERPOLATION.search(value)) or is_secret_key(key)}
-
-
-def redact(resolved: dict[str, Any], secrets: Iterable[str]) -> dict[str, Any]:
-    """A deep copy of ``resolved`` with every secret path's value replaced by a marker."""
-    out = copy.deepcopy(resolved)
-    for path in secrets:
-        *parents, leaf = path.split(".")
-        node: Any = out
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            node[leaf] = REDACTED
-    return out
-
-
 def params(resolved_redacted: dict[str, Any]) -> dict[str, str]:
     """MLflow params: flattened, stringified, each cut to MLflow's limit with a marker."""
     out = {}
@@ -179,21 +151,6 @@ def params(resolved_redacted: dict[str, Any]) -> dict[str, str]:
         if len(text) > MAX_PARAM_LENGTH:
             text = text[: MAX_PARAM_LENGTH - len(TRUNCATED)] + TRUNCATED
         out[key] = text
-    return out
-
-
-def redact_overrides(overrides: list[str], secrets: Iterable[str] = ()) -> list[str]:
-    """Command-line overrides with the value of every secret key masked (``key=value`` -> ``key=***``): a
-    secret-looking key at any depth, a key in ``secrets``, or a key above one (``db={password: x}``)."""
-    secret_keys = set(secrets)
-    out = []
-    for override in overrides:
-        key, sep, _ = override.partition("=")
-        bare = key.lstrip("+~")
-        above = any(path.startswith(f"{bare}.") for path in secret_keys)
-        if sep and (bare in secret_keys or above or is_secret_key(bare)):
-            override = f"{key}={REDACTED}"
-        out.append(override)
     return out
 
 

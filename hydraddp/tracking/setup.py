@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hydraddp.distributed.env import detect_launch_env
+from hydraddp import redaction
 from hydraddp.tracking import names
 from hydraddp.tracking.process import TrackerProcess
 from hydraddp.tracking.run import default_uri, preflight
@@ -41,7 +42,7 @@ def launch_run(plan: Any) -> TrackerProcess:
     parent = os.environ.get(PARENT_RUN_ENV)
     if parent:
         tags[names.TAG_PARENT] = parent
-    overrides = names.redact_overrides(list(plan.overrides), plan.secret_paths)
+    overrides = redaction.redact_overrides(list(plan.overrides), plan.secret_paths)
     attached = detect_launch_env()
     tracking = plan.config["tracking"]
     return TrackerProcess({

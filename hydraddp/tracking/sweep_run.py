@@ -17,7 +17,7 @@ class SweepRun:
     the child with the lowest final loss and the one with the most samples/s (compare.TAG_BEST_*)."""
 
     def __init__(self, uri: str, experiment: str, sweep_overrides: list[str]):
-        """``sweep_overrides`` come redacted (``names.redact_overrides``): they name the run and tag it."""
+        """``sweep_overrides`` come redacted (``redaction.redact_overrides``): they name the run and tag it."""
         self.uri = uri
         self.client = mlflow_client(uri)
         found = self.client.get_experiment_by_name(experiment)

@@ -6,7 +6,9 @@ A checkpoint is a directory ``step_NNNNNNNN``:
 - ``meta.json``: step, data position, resolved config, MLflow run id, the optimizer's param groups, the
   scheduler and grad-scaler states, the world size and wrap it was written with;
 - ``rng_rank{R}.json``: every rank's RNG states.
-Everything that is not a tensor is JSON, so loading never unpickles anything. A checkpoint is written as
+Everything of ours that is not a tensor is JSON. DCP's own index (``.metadata``) is a pickle: it is read by a
+restricted unpickler that builds DCP's metadata classes, torch sizes and dtypes and paths, and refuses any other
+global (``reader``), so loading a checkpoint runs no code it holds. A checkpoint is written as
 ``step_NNNNNNNN.tmp`` and renamed only when complete: ``latest`` never sees a half-written one.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import pickle
 import random
 import re
 import shutil
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hydraddp.distributed as idist
+from hydraddp.tracking import names
 
 # torch.distributed.checkpoint is imported where it is used: it pulls in DTensor (about 0.4 s per worker),
 # which a DDP run that never checkpoints has no use for before its first step.
@@ -136,7 +140,7 @@ def check_shared(root: Path) -> None:
     """Refuse a checkpoint root that not every rank sees: each rank writes a marker under ``root``, then looks
     for everyone's. On several nodes a node-local path would leave each node's shards where the others (and
     a resume) never find them. A collective."""
-    from hydraddp.distributed.compat import ConfigurationError, Problem
+    from hydraddp.distributed.combinations import ConfigurationError, Problem
 
     rank, world = idist.get_rank(), idist.get_world_size()
     folder = Path(root) / f".hydraddp-shared-{idist.broadcast(uuid.uuid4().hex if rank == 0 else '', src=0)}"
@@ -191,12 +195,48 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     return final
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler for DCP's ``.metadata`` that builds only what such an index holds (pickle's "restricting
+    globals"): classes of ``torch.distributed.checkpoint``, ``torch.Size``, torch dtypes and layouts, paths."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+               ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith("torch.distributed.checkpoint.") and "." not in name:
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # a metadata class (a dataclass or an enum), never a function
+                return found
+        raise pickle.UnpicklingError(f"a checkpoint index may not name {module}.{name}: this is not a DCP checkpoint "
+                                     "hydraddp reads")
+
+
+def reader(path: Path) -> Any:
+    """DCP's file-system reader of ``path``, reading its index with ``_MetadataUnpickler``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
 def check_readable(path: Path) -> dict[str, Any]:
     """The checkpoint's DCP index, or a CheckpointError saying it is corrupt."""
-    import torch.distributed.checkpoint as dcp
-
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return reader(path).read_metadata().state_dict_metadata
     except Exception as exc:
         raise CheckpointError(f"{path}: corrupt or incomplete DCP checkpoint ({type(exc).__name__}: {exc}). "
                               "Resume from another checkpoint (checkpoint.resume=PATH).") from None
@@ -205,7 +245,7 @@ def check_readable(path: Path) -> dict[str, Any]:
 def check_matches(path: Path, expected: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, naming the first keys (or shapes) that differ."""
     saved = check_readable(path)
-    wanted = {k: tuple(v.shape) for k, v in _flatten(expected).items() if isinstance(v, torch.Tensor)}
+    wanted = {k: tuple(v.shape) for k, v in names.flatten(expected).items() if isinstance(v, torch.Tensor)}
     saved_model = {k for k in saved if k.startswith("model.")}
     missing = sorted(k for k in wanted if k.startswith("model.") and k not in saved)
     unexpected = sorted(saved_model - wanted.keys())
@@ -229,14 +269,6 @@ def check_model_matches(path: Path, model_cfg: Any) -> None:
     check_matches(path, {"model": model.state_dict()})
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        out.update(_flatten(value, name) if isinstance(value, dict) else {name: value})
-    return out
-
-
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
     """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
     size wrote it (a collective). Returns the step, the metadata and this rank's saved RNG states, which
@@ -250,7 +282,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resu
     state = {"model": model_sd, "optim": optim_tensors}
     check_matches(path, state)
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        dcp.load(state, storage_reader=reader(path), no_dist=not _distributed())
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from None
     for group, saved in zip(param_groups, meta["param_groups"]):  # hyperparameters as the schedule left them

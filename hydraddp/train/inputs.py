@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import TensorDataset
 
-from hydraddp.tracking import names
+from hydraddp import redaction
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 10_000  # MLflow's digest_utils.MAX_ROWS
@@ -183,7 +183,7 @@ def _dataset_config(config: Any) -> dict[str, Any]:
     plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     # The launch's saved config comes redacted already (values from ${oc.env:...} too); a DictConfig at least
     # loses every secret-looking key.
-    return names.redact(plain, names.secret_paths(plain))
+    return redaction.redact(plain, redaction.secret_paths(plain))
 
 
 def describe(dataset: Any, config: Any, split: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import hydraddp.distributed as idist
 from hydraddp.build import flops_per_token as model_flops_per_token
 from hydraddp.build import instantiate_model, wrap_model
 from hydraddp.config.instantiate import instantiate
+from hydraddp import redaction
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
 from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, resume, tasks
@@ -68,22 +69,39 @@ class Evaluation(NamedTuple):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None) -> Evaluation:
-    """The task's metrics over the eval set: every rank's sums added in one all-reduce, then summarized."""
+    """The task's metrics over the eval set: every rank's sums added in one all-reduce, then summarized.
+
+    Every rank runs the same number of forwards: a sharded model's forward holds collectives (FSDP's all-gathers),
+    and a rank that ran out of batches while another still gathered crashed the group (a hang on nccl). A rank
+    whose shard is shorter, or empty, runs forwards on a batch that counts for nothing until the longest is done."""
     task = task if task is not None else tasks.Classification()
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     samples = 0
+    batches = len(loader)
+    longest = int(idist.all_reduce(batches, op="MAX"))
+    spare = None
     for batch in loader:
         batch = tasks.to_device(batch, device)
+        spare = batch if spare is None else spare
         samples += tasks.batch_size(batch)
         for key, value in tasks.eval_sums(task, model, batch).items():
             sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
+    if batches < longest:
+        spare = spare if spare is not None else tasks.to_device(_one_sample_batch(loader), device)
+        for _ in range(longest - batches):
+            tasks.eval_sums(task, model, spare)  # the same collectives as the other ranks' forwards; counts nothing
     model.train()
     # A rank whose shard is empty has no keys yet: every rank reduces the same keys, in the same order.
     keys = sorted({key for rank_keys in idist.all_gather(sorted(sums)) for key in rank_keys})
     zero = torch.zeros((), dtype=torch.float64, device=device)
     totals = idist.all_reduce(torch.stack([*(sums.get(k, zero) for k in keys), zero + samples])).tolist()
     return Evaluation(tasks.summarize(task, dict(zip(keys, totals))), int(totals[-1]))
+
+
+def _one_sample_batch(loader) -> Any:
+    """A batch of the eval set's first sample, for a rank whose shard is empty (more ranks than samples)."""
+    return loader.collate_fn([loader.dataset[0]])
 
 
 def _launched_at() -> float | None:
@@ -205,7 +223,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     """
     if saved_config is None:
         plain = OmegaConf.to_container(cfg, resolve=True)
-        saved_config = names.redact(plain, names.secret_paths(plain))
+        saved_config = redaction.redact(plain, redaction.secret_paths(plain))
     device, world, trainer = idist.device(), idist.get_world_size(), cfg.trainer
     parts = _build(cfg, job_dir)
     model, task = parts.model, parts.task

@@ -7,6 +7,7 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,11 +134,9 @@ class TensorPeak:
         self.peak_bytes, self.parts = 0, {}
 
     def __enter__(self) -> TensorPeak:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._tracker = MemTracker()
+        self._tracker = _micro_batch_mem_tracker()
         self._tracker.track_external(self.model, self.optimizer)
         self._tracker.__enter__()
         return self
@@ -153,3 +152,29 @@ class TensorPeak:
         if self.device is not None and self.device.type == "cuda":
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
         self.parts = totals
+
+
+def _micro_batch_mem_tracker() -> Any:
+    """torch's ``MemTracker``, for any step hydraddp runs. Two changes, each where the stock tracker raised:
+    - The root module may run again inside one span, as gradient accumulation's micro-batches do ("does not support
+      memory tracking for multiple iterative calls"): as its message suggests, the per-module stats restart
+      (``reset_mod_stats``) while the peak of the whole span, which is all that is read here, carries on.
+    - A module whose parameters are not leaves gets no gradient hooks ("post accumulate grad hooks cannot be
+      registered on non-leaf tensors"): FSDP1 with ``use_orig_params=True`` makes them views of its flat parameter
+      in the forward, and its gradients are counted on that flat parameter."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class MicroBatchMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            tracker = self._mod_tracker
+            again = module in self.memory_tracking and not tracker.is_bw
+            if again and set(tracker.parents) - {tracker.get_known_fqn(module)} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                             install_grad_hooks: bool = True) -> tuple[int, int]:
+            leaves = all(p.is_leaf for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
+
+    return MicroBatchMemTracker()

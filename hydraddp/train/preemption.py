@@ -24,7 +24,6 @@ from hydraddp.config.validate import signal_numbers
 
 log = logging.getLogger("hydraddp.train.loop")
 
-EXIT_PREEMPTED = 3  # the contract's code: stopped by a signal after a complete checkpoint; rerun to resume
 MARKER = "preempted.json"  # in the job directory: the latest preemption, which the next launch there resumes from
 HISTORY = "preemptions.json"  # the marker, once a launch resumed from it and finished
 

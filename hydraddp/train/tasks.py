@@ -18,14 +18,15 @@ each metric is logged as ``eval/<name>``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from hydraddp.distributed.trees import map_tensors, tensors
 
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding, prompt tokens)
 
@@ -47,31 +48,10 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def _map_tensors(batch: Any, fn: Any, moves_itself: Any = None) -> Any:
-    """``batch`` rebuilt with ``fn`` applied to each tensor: in tuples, namedtuples, lists, dicts and dataclasses.
-    An object with its own ``.to`` (Hugging Face's ``BatchEncoding``) goes to ``moves_itself`` when given."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _map_tensors(v, fn, moves_itself)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_map_tensors(v, fn, moves_itself) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map_tensors(v, fn, moves_itself) for v in batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: _map_tensors(getattr(batch, f.name), fn, moves_itself)
-                                             for f in dataclasses.fields(batch) if f.init})
-    if moves_itself is not None and callable(getattr(batch, "to", None)):
-        return moves_itself(batch)
-    if isinstance(batch, Mapping):
-        return {k: _map_tensors(v, fn, moves_itself) for k, v in batch.items()}
-    return batch
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor moved to ``device``: tensors, tuples, namedtuples, lists, dicts, dataclasses, and
     objects with their own ``.to`` (Hugging Face's ``BatchEncoding``)."""
-    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True), lambda b: b.to(device))
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True), lambda b: b.to(device))
 
 
 def split(batch: Any, parts: int) -> list[Any]:
@@ -83,22 +63,7 @@ def split(batch: Any, parts: int) -> list[Any]:
     if size % parts:
         raise ValueError(f"a batch of {size} does not split into {parts} equal micro-batches")
     step = size // parts
-    return [_map_tensors(batch, lambda t, i=i: t[i * step:(i + 1) * step] if t.dim() else t) for i in range(parts)]
-
-
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``batch``, depth first."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from tensors(value)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
-            yield from tensors(value)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            yield from tensors(getattr(batch, f.name))
+    return [map_tensors(batch, lambda t, i=i: t[i * step:(i + 1) * step] if t.dim() else t) for i in range(parts)]
 
 
 def batch_size(batch: Any) -> int:
@@ -187,6 +152,14 @@ class Classification:
         return {"loss": sums["loss_sum"] / count, "accuracy": sums["correct"] / count}
 
 
+def _dict_labels(batch: Mapping) -> torch.Tensor:
+    """A token dict's labels: its ``labels``, or its ``input_ids`` with the padding (``attention_mask`` 0) masked."""
+    if "labels" in batch:
+        return batch["labels"]
+    labels = batch["input_ids"]
+    return labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX) if "attention_mask" in batch else labels
+
+
 class CausalLM:
     """Next-token prediction; reports loss and perplexity.
 
@@ -205,9 +178,7 @@ class CausalLM:
             logits, labels = _logits(self, model(batch[0])), batch[1]
         elif isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
             output = model(**batch)
-            labels = batch.get("labels", batch["input_ids"])
-            if "attention_mask" in batch and "labels" not in batch:
-                labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+            labels = _dict_labels(batch)
             counted = (labels[..., 1:] != IGNORE_INDEX).sum()
             loss = _field(output, "loss")
             if isinstance(loss, torch.Tensor) and "labels" in batch:
@@ -228,10 +199,7 @@ class CausalLM:
     def loss_weight(self, batch: Any) -> int:
         """The tokens that count: the mean loss is over them, not over the sequences."""
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
-            labels = batch.get("labels", batch["input_ids"])
-            if "attention_mask" in batch and "labels" not in batch:
-                labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
-            return int((labels[..., 1:] != IGNORE_INDEX).sum())
+            return int((_dict_labels(batch)[..., 1:] != IGNORE_INDEX).sum())
         if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
             return int((batch[1] != IGNORE_INDEX).sum())
         return batch_size(batch)

@@ -44,3 +44,15 @@ def test_every_problem_is_listed_at_once(tmp_path):
     done = run_cli("backend=nccl", "precision=fp16", "data.batch_size=63", cwd=tmp_path, timeout=60)
     assert done.returncode == 2
     assert len([line for line in done.stderr.splitlines() if line.startswith("- ")]) == 3
+
+
+def test_a_typed_nproc_per_node_that_srun_did_not_start_is_refused(tmp_path):
+    # srun --ntasks-per-node=1 ... python -m hydraddp launcher.nproc_per_node=8 ran one process per node, warning once.
+    srun_step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                 "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
+                 "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "127.0.0.1"}
+    done = run_cli("launcher.nproc_per_node=8", cwd=tmp_path, timeout=60, env=srun_step)
+    assert done.returncode == 2, done.stderr
+    assert "launcher.nproc_per_node=8, but slurm started 1 task(s) on this node" in done.stderr
+    assert "srun --ntasks-per-node=8" in done.stderr and "Drop launcher.nproc_per_node" in done.stderr
+    assert "Traceback" not in done.stderr and job_dirs(tmp_path) == []

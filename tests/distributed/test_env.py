@@ -62,7 +62,28 @@ def test_cuda_device_count_reads_the_driver_list_and_never_touches_cuda(tmp_path
     assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": "2,0"}, gpus) == 2
     assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": ""}, gpus) == 0
     assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": "0,-1,1"}, gpus) == 1
-    assert machine.cuda_device_count({}, tmp_path / "no-driver") == 0
+    assert machine.cuda_device_count({}, tmp_path / "no-driver", tmp_path / "no-driver") == 0
+
+
+def test_gpus_under_rocm_are_counted_from_the_amd_drivers_topology(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    import torch
+
+    from hydraddp.distributed import machine
+
+    nodes = tmp_path / "nodes"
+    for node, simds in enumerate([0, 304, 304, 0, 304]):  # two CPU nodes, three MI300-like GPUs
+        (nodes / str(node)).mkdir(parents=True)
+        (nodes / str(node) / "properties").write_text(f"cpu_cores_count {0 if simds else 64}\nsimd_count {simds}\n")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.13.0+rocm6.4")
+    for touch in ("is_available", "device_count", "init"):
+        monkeypatch.setattr(torch.cuda, touch, lambda *a: pytest.fail("the GPU driver was touched"))
+    no_nvidia = tmp_path / "no-nvidia"
+    assert machine.cuda_device_count({}, no_nvidia, nodes) == 3
+    assert machine.cuda_device_count({"HIP_VISIBLE_DEVICES": "0,2"}, no_nvidia, nodes) == 2
+    assert machine.cuda_device_count({"ROCR_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "0,1"}, no_nvidia, nodes) == 1
+    assert machine.cuda_device_count({"CUDA_VISIBLE_DEVICES": ""}, no_nvidia, nodes) == 0
 
 
 def test_a_visible_gpu_means_workers_are_spawned_not_forked(monkeypatch):
@@ -102,4 +123,14 @@ def test_free_port_is_bindable():
 
     port = free_port()
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+        s.bind(("127.0.0.1", port))  # raises OSError (the test fails) when the port is taken
+        assert s.getsockname() == ("127.0.0.1", port) and 0 < port < 65536
+
+
+def test_a_rank_uses_its_local_rank_or_the_one_gpu_its_task_sees():
+    from hydraddp.distributed.machine import rank_device_index
+
+    assert [rank_device_index(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [rank_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1: each sees its own
+    with pytest.raises(RuntimeError, match=r"local rank 3 has no GPU of its own: this process sees 2 GPU\(s\)"):
+        rank_device_index(3, 2)

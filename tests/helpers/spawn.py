@@ -26,6 +26,10 @@ TOKEN_VAR = "HYDRADDP_TEST_TOKEN"
 # about 6 s of every tracked launch on 2 cores, and far more while other tests load them. Tests of something else
 # leave it out; tests/plan, tests/tracking/test_mlflow.py, test_compare.py and test_secrets.py keep it.
 NO_PLAN = "plan.record=false"
+# A tracked launch's MLflow run is kept by a tracker process (mlflow, its SQL store and torch imported: about 12
+# CPU-seconds, after the ranks on 2 cores). Launches that test the CLI, launchers or training itself leave it out;
+# the tests of tracking, resumes into the same run and preemption keep it, and so do test_cli's sweep of every wrap.
+UNTRACKED = "tracking.enabled=false"
 
 
 def rendezvous_port() -> int:

@@ -1,4 +1,4 @@
-"""Flattening, redaction and truncation of params; per-rank metric names (no server needed)."""
+"""Flattening and truncation of params; per-rank metric names (no server needed)."""
 
 from hydraddp.tracking import names
 
@@ -7,21 +7,6 @@ def test_per_rank_metrics_and_aggregates():
     assert names.per_rank_metrics("memory/peak_bytes", [10, 30]) == {
         "memory/peak_bytes/rank0": 10.0, "memory/peak_bytes/rank1": 30.0, "memory/peak_bytes/max": 30.0,
         "memory/peak_bytes/min": 10.0, "memory/peak_bytes/mean": 20.0}
-
-
-def test_secrets_from_env_and_by_key_name_are_redacted_everywhere():
-    unresolved = {"tracking": {"tags": {"team": "${oc.env:TEAM_SECRET}", "owner": "me"}},
-                  "data": {"dataset": {"api_key": "plain", "path": "/x"}}}
-    resolved = {"tracking": {"tags": {"team": "s3cr3t", "owner": "me"}},
-                "data": {"dataset": {"api_key": "plain", "path": "/x"}}}
-    secrets = names.secret_paths(unresolved)
-    assert secrets == {"tracking.tags.team", "data.dataset.api_key"}
-    redacted = names.redact(resolved, secrets)
-    assert redacted["tracking"]["tags"] == {"team": names.REDACTED, "owner": "me"}
-    assert redacted["data"]["dataset"] == {"api_key": names.REDACTED, "path": "/x"}
-    assert resolved["tracking"]["tags"]["team"] == "s3cr3t"  # the original is untouched
-    assert names.redact_overrides(["+data.dataset.api_key=plain", "wrap=ddp"], secrets) == \
-        [f"+data.dataset.api_key={names.REDACTED}", "wrap=ddp"]
 
 
 def test_long_values_are_truncated_with_a_marker():

@@ -1,4 +1,4 @@
-"""Secrets never reach MLflow: a value under a secret-looking key at any depth, a value from
+"""Secrets never reach MLflow: a value under a secret key at any depth (in lists too), a URI's password, a value from
 ``${oc.env:...}``, and a sweep's overrides are searched for byte for byte in the server's backend store and
 every artifact it holds, and in every checkpoint. Hydra's own .hydra/ files keep them, as Hydra writes them."""
 
@@ -21,9 +21,12 @@ def files_holding(root: Path, secret: str) -> list[Path]:
 
 def test_secrets_are_nowhere_in_mlflow_nor_in_checkpoints(mlflow_server, tmp_path):
     experiment = f"secrets-{uuid.uuid4().hex[:6]}"
-    typed, from_env, swept = (f"{kind}-{uuid.uuid4().hex}" for kind in ("typed", "env", "swept"))
+    typed, from_env, swept, listed, in_uri = (f"{kind}-{uuid.uuid4().hex}"
+                                              for kind in ("typed", "env", "swept", "listed", "uri"))
     tracked = [f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={experiment}"]
     single = run_cli(f"+trainer.secrets.db={typed}", "+trainer.note=${oc.env:HYDRADDP_TEST_SECRET}",
+                     f"+trainer.hooks=[{{name: notify, api_key: {listed}}}]",  # a secret inside a list
+                     f'+trainer.results_db="postgresql://me:{in_uri}@db:5432/results"',  # a password in a URI
                      "checkpoint.save_last=true", *QUICK, *tracked, cwd=tmp_path / "single",
                      env={"HYDRADDP_TEST_SECRET": from_env})
     assert single.returncode == 0, single.stderr[-3000:]
@@ -36,9 +39,12 @@ def test_secrets_are_nowhere_in_mlflow_nor_in_checkpoints(mlflow_server, tmp_pat
     assert len(runs) == 4  # the single run, the sweep's parent and its two children
     [job] = job_dirs(tmp_path / "single")
     assert [p.name for p in (job / "checkpoints").iterdir()] == ["step_00000006"]
-    for secret in (typed, from_env, swept):
+    for secret in (typed, from_env, swept, listed, in_uri):
         seen = " ".join(f"{r.info.run_name} {r.data.params} {r.data.tags}" for r in runs)
         assert secret not in seen
         assert files_holding(mlflow_server.root, secret) == []  # the backend store and every artifact
         assert files_holding(job / "checkpoints", secret) == []
     assert typed in (job / ".hydra" / "overrides.yaml").read_text()  # Hydra's own files stay as Hydra wrote them
+    params = next(r for r in runs if r.info.run_id == (job / "mlflow_run_id").read_text().strip()).data.params
+    assert params["trainer.results_db"] == "postgresql://me:***@db:5432/results"  # the rest of the URI kept
+    assert params["trainer.hooks"] == str([{"name": "notify", "api_key": "***redacted***"}])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.spawn import (NO_PLAN, assert_no_orphans, child_env, job_dirs, run_cli, run_process,
+from tests.helpers.spawn import (NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli, run_process,
                                  sigkill_rank_when_logged)
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
@@ -43,7 +43,7 @@ def losses(job: Path, rank: int = 0) -> dict[int, float]:
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp", "fsdp2"])
 def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap):
     mlflow = [f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    full = run_cli(f"wrap={wrap}", *BASE, "trainer.max_steps=20", "checkpoint.save_last=true", *mlflow,
+    full = run_cli(f"wrap={wrap}", *BASE, "trainer.max_steps=20", "checkpoint.save_last=true", UNTRACKED,
                    cwd=tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
     stopped = run_cli(f"wrap={wrap}", *BASE, "trainer.max_steps=20", "trainer.stop_at_step=12", *mlflow,
@@ -65,9 +65,8 @@ def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap):
 
     client = MlflowClient(mlflow[0].split("=", 1)[1])
     runs = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
-    assert len(runs) == 2  # the uninterrupted run, and the stopped run that the resume continued
-    stopped_run = next(r for r in runs if r.info.run_id != _run_id(full_job))
-    assert stopped_run.info.run_id == _run_id(resumed_job)
+    [stopped_run] = runs  # the stopped run, which the resume continued (the uninterrupted one is untracked)
+    assert stopped_run.info.run_id == _run_id(resumed_job) == _run_id(stopped_job)
     steps = [m.step for m in client.get_metric_history(stopped_run.info.run_id, "train/loss")]
     assert sorted(steps) == list(range(1, 21))  # every step exactly once, though 11 and 12 ran twice
 
@@ -78,7 +77,7 @@ def _run_id(job: Path) -> str:
 
 GPT_DROPOUT = ["model=gpt", "data=text", "model.depth=1", "model.dim=32", "model.heads=2", "model.dropout=0.2",
                "data.seq_len=16", "data.batch_size=8", "trainer.log_every=1", "trainer.eval_every=0",
-               "trainer.max_steps=14", "tracking.enabled=false"]
+               "trainer.max_steps=14", UNTRACKED]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
@@ -111,7 +110,7 @@ def test_a_checkpoint_loads_into_another_wrap_and_world_size(tmp_path, source_wr
     def launch(wrap, world, *extra, where):
         backend = [] if world > 1 else ["backend=gloo"]
         done = run_cli(f"wrap={wrap}", f"launcher.nproc_per_node={world}", *backend, *BASE, "trainer.max_steps=11",
-                       "tracking.enabled=false", *extra, cwd=tmp_path / where)
+                       UNTRACKED, *extra, cwd=tmp_path / where)
         assert done.returncode == 0, done.stderr[-3000:]
         return job_dirs(tmp_path / where)[0]
 
@@ -126,7 +125,7 @@ def test_a_checkpoint_loads_into_another_wrap_and_world_size(tmp_path, source_wr
 def test_a_sigkilled_worker_is_restarted_and_the_job_finishes_as_if_nothing_happened(tmp_path):
     config = [*BASE, "trainer.max_steps=200", "checkpoint.every_n_steps=20", "checkpoint.save_last=true",
               "model.hidden=[512,512]"]
-    full = run_cli(*config, "tracking.enabled=false", cwd=tmp_path / "full", timeout=300)
+    full = run_cli(*config, UNTRACKED, cwd=tmp_path / "full", timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
 
     killed = tmp_path / "killed"
@@ -173,7 +172,7 @@ def test_a_process_killed_during_a_save_leaves_latest_on_the_previous_checkpoint
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     where = tmp_path_factory.mktemp("saved")
-    done = run_cli("wrap=fsdp2", *BASE, "trainer.max_steps=5", "tracking.enabled=false", cwd=where)
+    done = run_cli("wrap=fsdp2", *BASE, "trainer.max_steps=5", UNTRACKED, cwd=where)
     assert done.returncode == 0, done.stderr[-3000:]
     return job_dirs(where)[0] / "checkpoints" / "step_00000005"
 
@@ -188,7 +187,7 @@ def test_the_export_loads_with_weights_only_into_the_unwrapped_model(saved, tmp_
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_anything_starts(saved, tmp_path):
-    done = run_cli("model=gpt", "data=text", *BASE, "trainer.max_steps=6", "tracking.enabled=false",
+    done = run_cli("model=gpt", "data=text", *BASE, "trainer.max_steps=6", UNTRACKED,
                    f"checkpoint.resume={saved}", cwd=tmp_path)
     assert done.returncode == 2  # checked on the meta device in the launching process: no worker started
     assert "is not a checkpoint of this model: missing ['model.blocks.0.attn.proj.bias'" in done.stderr
@@ -201,10 +200,10 @@ def test_a_corrupt_checkpoint_is_refused_before_anything_starts(saved, tmp_path)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(saved, corrupt)
     (corrupt / ".metadata").write_bytes(b"not a checkpoint index")
-    done = run_cli(*BASE, "trainer.max_steps=6", "tracking.enabled=false", f"checkpoint.resume={corrupt}", cwd=tmp_path)
+    done = run_cli(*BASE, "trainer.max_steps=6", UNTRACKED, f"checkpoint.resume={corrupt}", cwd=tmp_path)
     assert done.returncode == 2
     assert f"{corrupt}: corrupt or incomplete DCP checkpoint" in done.stderr and "Traceback" not in done.stderr
-    missing = run_cli(*BASE, "tracking.enabled=false", f"checkpoint.resume={tmp_path / 'nowhere'}", cwd=tmp_path)
+    missing = run_cli(*BASE, UNTRACKED, f"checkpoint.resume={tmp_path / 'nowhere'}", cwd=tmp_path)
     assert missing.returncode == 2 and "not a complete hydraddp checkpoint" in missing.stderr
     exported = run_process([sys.executable, "-m", "hydraddp.export", str(tmp_path / "nowhere"), str(tmp_path / "m.pt")],
                            cwd=tmp_path, timeout=60)

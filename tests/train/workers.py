@@ -246,3 +246,24 @@ def fsdp2_gpt_warnings(local_rank: int) -> list[str]:
         batch = (torch.randint(0, 128, (4, 16)), torch.randint(0, 128, (4, 16)))
         train_step(model, CausalLM(), batch, optimizer, None, None, False)
     return [str(w.message) for w in caught]
+
+
+def evaluate_unevenly(local_rank: int, wraps: list[str], samples: int, batch_size: int) -> dict:
+    """The loop's evaluation of a 2-block GPT (an FSDP unit per block: each eval forward all-gathers) over
+    ``samples`` token windows, which do not split into the same number of batches on every rank."""
+    from torch.utils.data import TensorDataset
+
+    from hydraddp.models.gpt import GPT
+    from hydraddp.train import data, tasks
+    from hydraddp.train.loop import evaluate
+
+    tokens = torch.randint(0, 32, (samples, 9), generator=torch.Generator().manual_seed(0))
+    windows = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    out = {}
+    for wrap in wraps:
+        torch.manual_seed(0)
+        model = idist.auto_model(GPT(vocab_size=32, seq_len=8, dim=16, depth=2, heads=2), wrap=wrap)
+        loader = data.eval_loader(windows, batch_size, 0)
+        metrics, counted = evaluate(model, loader, idist.device(), tasks.CausalLM())
+        out[wrap] = {"metrics": metrics, "samples": counted, "batches": len(loader)}
+    return out

@@ -102,7 +102,8 @@ class ComputationModel(ABC):
     def _rank_not_in_group(self, group: Any) -> bool: ...
 
     def _get_max_length(self, x: str, device: torch.device) -> int:
-        """The longest ``x`` over all ranks."""
+        """The longest ``x`` over all ranks. Unused by hydraddp; kept because ignite's own tests call it on every
+        computation model (tests/ignite_reference)."""
         size = self._do_all_reduce(torch.tensor([len(x)], device=device), op="MAX")
         return int(size.item())
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
+from hydraddp.distributed.machine import rank_device_index
 
 HOROVOD = "horovod"
 INSTALL_HINT = "install it with `bash scripts/install_horovod.sh` (builds Horovod 0.28.1 with PyTorch and gloo)"
@@ -60,7 +61,7 @@ class _HorovodDistModel(ComputationModel):
         self._hvd = _hvd()
         self._owns_init = owns_init
         if torch.cuda.is_available():
-            torch.cuda.set_device(self._hvd.local_rank())
+            torch.cuda.set_device(rank_device_index(self._hvd.local_rank(), torch.cuda.device_count()))
 
     @staticmethod
     def create_from_backend(backend: str = HOROVOD, comm: Any = None, **kwargs: Any) -> _HorovodDistModel:

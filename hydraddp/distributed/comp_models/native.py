@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
 from hydraddp.distributed.env import LaunchEnv, detect_launch_env, free_port
+from hydraddp.distributed.machine import rank_device_index
 
 NCCL, GLOO, MPI = "nccl", "gloo", "mpi"
 NATIVE_BACKENDS = (NCCL, GLOO, MPI)
@@ -201,7 +202,7 @@ class _NativeDistModel(ComputationModel):
             dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
                                     world_size=launch.world_size, **init_kwargs)
         if torch.cuda.is_available():
-            torch.cuda.set_device(launch.local_rank)
+            torch.cuda.set_device(rank_device_index(launch.local_rank, torch.cuda.device_count()))
         # Everyone is in before anyone uses the group (and nccl learns this rank's device).
         dist.barrier(device_ids=[torch.cuda.current_device()] if backend == "nccl" else None)
         topology = _topology(dist.get_rank(), dist.get_world_size(), launch.local_rank)
@@ -226,6 +227,8 @@ class _NativeDistModel(ComputationModel):
             raise ValueError("master_addr and master_port should be None if init_method is provided other then 'env://'")
         if init_method not in (None, "env://"):
             kwargs["init_method"] = init_method
+        for option in ("join", "daemon"):  # torch.multiprocessing.spawn's, which ignite passes on: the agent always
+            kwargs.pop(option, None)  # waits for its workers, and they are never daemons
         return elastic.launch(backend, fn, args, dict(kwargs_dict or {}), nproc_per_node=nproc_per_node,
                               nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                               master_port=master_port, **kwargs)
@@ -251,7 +254,7 @@ class _NativeDistModel(ComputationModel):
     def device(self) -> torch.device:
         if torch.cuda.is_available():
             index = torch.cuda.current_device()
-            if index < self.get_local_rank():
+            if index < self.get_local_rank() and torch.cuda.device_count() > 1:
                 warnings.warn("Current device index is less than current local rank. "
                               "Please, make sure to call torch.cuda.set_device(local_rank).")
             return torch.device(f"cuda:{index}")

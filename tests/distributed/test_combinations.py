@@ -19,6 +19,13 @@ def test_a_good_cpu_combination_has_no_problem():
     assert problems(backend="gloo", wrap="fsdp2", precision="bf16", world_size=2, global_batch_size=64) == []
 
 
+def test_srun_tasks_that_each_see_their_own_gpu_are_one_process_per_gpu():
+    # srun --ntasks-per-node=4 --gpus-per-task=1: each task sees 1 GPU, 4 tasks on the node.
+    assert problems(backend="nccl", world_size=8, nproc_per_node=4, cuda_device_count=1, attached=True) == []
+    p = only(backend="nccl", world_size=8, nproc_per_node=4, cuda_device_count=1)  # spawned here: 4 on 1 GPU
+    assert "runs one process per GPU" in p.message and "nproc_per_node=1" in p.fix
+
+
 def test_nccl_without_cuda():
     p = only(backend="nccl", world_size=2)
     assert p.keys == ("backend",) and "backend=nccl needs CUDA" in p.message and "backend=gloo" in p.fix

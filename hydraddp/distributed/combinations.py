@@ -53,12 +53,10 @@ class Combination:
     global_batch_size: int | None = None
     has_horovod: bool = False
     has_mpi: bool = False
+    # Started by torchrun, srun or mpirun: each process is one rank, and may see only its own GPU.
+    attached: bool = False
     # Config paths used in messages, e.g. {"world_size": "launcher.nproc_per_node"} from the Hydra app.
     names: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def has_process_group(self) -> bool:
-        return self.backend not in (None, "none")
 
 
 # torch.compile's places: per block before fully_shard (torchtitan's rule), or the whole model.
@@ -110,7 +108,9 @@ def check_compatibility(combo: Combination) -> list[Problem]:
         add(("backend",), "backend=nccl needs CUDA GPUs, and this machine has none.",
             "Use backend=gloo (or backend=auto, which picks gloo without CUDA).")
     nproc = combo.world_size if combo.nproc_per_node is None else combo.nproc_per_node
-    if backend == "nccl" and gpu and nproc > combo.cuda_device_count:
+    # A task that sees one GPU has it to itself (srun --gpus-per-task=1), whatever the tasks per node.
+    own_gpu_each = combo.attached and combo.cuda_device_count == 1
+    if backend == "nccl" and gpu and nproc > combo.cuda_device_count and not own_gpu_each:
         add(("backend", "nproc_per_node"),
             f"backend=nccl runs one process per GPU, but {n('nproc_per_node')}={nproc} and this node has "
             f"{combo.cuda_device_count} GPU(s).",
