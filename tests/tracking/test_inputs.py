@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from hydraddp.data.digits import digits
 from hydraddp.data.text import token_dicts
+from hydraddp.redaction import REDACTED
 from hydraddp.tracking import inputs as tracker_inputs
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE, read_events
@@ -185,7 +186,7 @@ def test_the_description_redacts_the_source_and_names_the_split():
     cfg = OmegaConf.create({"data": {"dataset": {"_target_": DIGITS, "seed": 0, "api_token": "hunter2"}}})
     payload = inputs.describe(train, cfg, inputs.TRAIN)
     assert payload["name"] == "digits/train" and payload["context"] == "train"
-    assert payload["source"] == {"_target_": DIGITS, "seed": 0, "api_token": names.REDACTED}
+    assert payload["source"] == {"_target_": DIGITS, "seed": 0, "api_token": REDACTED}
     assert payload["profile"] == {"num_samples": 1528, "hashed_samples": 1528}
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from hydraddp.distributed.env import free_port
+from hydraddp.redaction import REDACTED
 from hydraddp.tracking import names
 from tests.helpers.mlflow_server import MlflowServer
 from tests.helpers.spawn import NO_PLAN, assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
@@ -116,9 +117,9 @@ def test_a_secret_from_the_environment_never_reaches_mlflow(mlflow_server, tmp_p
     for artifact in ("config.yaml", "overrides.yaml", "wrap_report.json"):
         seen += open(client.download_artifacts(run.info.run_id, artifact)).read()
     assert secret not in seen
-    assert run.data.params["tracking.tags.team"] == names.REDACTED == run.data.tags["team"]
+    assert run.data.params["tracking.tags.team"] == REDACTED == run.data.tags["team"]
     assert yaml.safe_load(open(client.download_artifacts(run.info.run_id, "config.yaml")).read())[
-        "tracking"]["tags"]["api_token"] == names.REDACTED
+        "tracking"]["tags"]["api_token"] == REDACTED
 
 
 def test_an_unreachable_server_is_a_clear_error_before_anything_starts(tmp_path):
