@@ -159,7 +159,7 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     if tracker:
         tracker.finish(FINISHED, timeout_s=flush_s)
         result["run_id"] = tracker.run_id
-    if rank == 0:  # under torchrun every rank gets here; one report is enough
+    if plan.leads:  # under torchrun every rank gets here, on several nodes every launcher: one report is enough
         from hydraddp.train.preemption import retire_marker
 
         retire_marker(plan.job_dir)  # a rerun in this directory starts afresh
@@ -197,7 +197,7 @@ def _stop_preempted(preempted: dict[str, Any], plan: Any, tracker: Any, outcome:
                        timeout_s=plan.config["tracking"]["flush_timeout_s"])
     if submitit_task.in_task():
         submitit_task.requeue(rank, EXIT_PREEMPTED)
-    if rank == 0:
+    if plan.leads:
         print(f"hydraddp: stopped by {preempted['signal']} after step {preempted['step']}: every rank wrote checkpoint "
               f"{preempted['checkpoint']}. Resume with the same command and hydra.run.dir={plan.job_dir} "
               f"(or checkpoint.resume={preempted['checkpoint']}).", file=sys.stderr, flush=True)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
@@ -28,18 +29,20 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
 
     # Each node's launcher (or, under torchrun, each process) made its own job directory: all take one.
     decides = idist.get_rank() == 0 if attached else plain_cfg["launcher"]["node_rank"] == 0 and local_rank == 0
-    own_job_dir, job_dir = job_dir, broadcast_job_dir(job_dir, decides)
+    own_job_dir = job_dir
+    job_dir, resume = agreed_start(own_job_dir, plain_cfg["checkpoint"]["resume"], decides)
+    if not resume:
+        from hydraddp.train.preemption import resume_point
+
+        # Every rank reads the agreed directory (under torchrun the others composed in "."): all resume, or none.
+        resume = resume_point(Path(job_dir))[0]
+    plain_cfg = {**plain_cfg, "checkpoint": {**plain_cfg["checkpoint"], "resume": resume}}
     if idist.get_local_rank() == 0 and (not attached or idist.get_rank() == 0):
         # Which ranks ran on this node, for its tracker to upload their logs (attached, the other nodes' ranks
         # composed in ".", the user's directory: nothing is written there).
         first = idist.get_rank() - idist.get_local_rank()
         node = 0 if attached else plain_cfg["launcher"]["node_rank"]
         write_node_file(Path(own_job_dir), node, Path(job_dir), list(range(first, first + idist.get_nproc_per_node())))
-    if not plain_cfg["checkpoint"]["resume"]:
-        from hydraddp.train.preemption import resume_point
-
-        # Every rank reads the agreed directory (under torchrun the others composed in "."): all resume, or none.
-        plain_cfg = {**plain_cfg, "checkpoint": {**plain_cfg["checkpoint"], "resume": resume_point(Path(job_dir))[0]}}
     setup_rank_logging(idist.get_rank(), Path(job_dir))
     log.info("rank %d pid %d", idist.get_rank(), os.getpid())
     events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None
@@ -74,16 +77,25 @@ def job_dir_from_agent(proposed: str) -> str | None:
     return store.compare_set(f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", proposed).decode()
 
 
-def broadcast_job_dir(proposed: str, decides: bool) -> str:
-    """One job directory for every rank of the launch, on every node and across restarts: the deciding
-    process's (node 0's, rank 0's under torchrun) as the elastic agent keeps it, broadcast to the others.
-    Only the decider talks to the agent's store."""
+def from_decider(value: Callable[[], str], decides: bool) -> str:
+    """``value()`` of the deciding process (node 0's local rank 0; rank 0 under torchrun), on every rank; only that
+    process calls it."""
     if idist.get_world_size() == 1:
-        return job_dir_from_agent(proposed) or proposed
+        return value()
     deciders = idist.all_gather(int(decides))
     src = deciders.index(1) if 1 in deciders else 0
-    agreed = (job_dir_from_agent(proposed) or proposed) if idist.get_rank() == src else ""
-    return idist.broadcast(agreed, src=src)
+    return idist.broadcast(value() if idist.get_rank() == src else "", src=src)
+
+
+def agreed_start(proposed_job_dir: str, resume: str | None, decides: bool) -> tuple[str, str | None]:
+    """One job directory and one checkpoint to resume for every rank of the launch, on every node and across
+    restarts: the deciding process's job directory as the elastic agent keeps it, and the checkpoint its launcher
+    found and checked (the others cannot resolve ``latest``: they do not know the agreed directory). Only the
+    decider talks to the agent's store."""
+    agreed = from_decider(lambda: json.dumps([job_dir_from_agent(proposed_job_dir) or proposed_job_dir, resume]),
+                          decides)
+    job_dir, agreed_resume = json.loads(agreed)
+    return job_dir, agreed_resume
 
 
 def parallel_for(plain: dict[str, Any]) -> idist.Parallel:

@@ -30,7 +30,8 @@ class LaunchPlan:
     sweeping: bool
     wrap: str  # the realized wrapper (wrap=auto decided)
     world_size: int
-    tracks: bool  # this process keeps the launch's MLflow run
+    leads: bool  # this process reports the launch (result.json, the preemption marker, the done line)
+    tracks: bool  # this process keeps the launch's MLflow run (it leads, and tracking is on)
     resumed_from: dict[str, Any] | None  # the checkpoint and step a resume starts from
     preemptions: int  # how many preemptions the job in this directory has had
     restarted: bool  # torch's agent restarted the group: the first attempt's job directory and run go on
@@ -96,10 +97,12 @@ def _attached_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
                     f"torchrun --nproc_per_node={cfg.launcher.nproc_per_node}).")]
 
 
-def _tracks_here(cfg: DictConfig) -> bool:
-    """The launch's one MLflow run lives in rank 0's process when attached, else in node 0's launcher."""
+def _leads_here(cfg: DictConfig) -> bool:
+    """Whether this process reports the launch and keeps its MLflow run: rank 0's process when attached, else node
+    0's launcher, whose job directory is the one every node agrees on (``launch.agreed_start``). Not the
+    launcher whose workers hold global rank 0: torch's rendezvous orders nodes by host and pid, not by node_rank."""
     launch = detect_launch_env()
-    return cfg.tracking.enabled and (launch.rank == 0 if launch is not None else cfg.launcher.node_rank == 0)
+    return launch.rank == 0 if launch is not None else cfg.launcher.node_rank == 0
 
 
 def _tracking_problems(cfg: DictConfig) -> list[Problem]:
@@ -149,10 +152,13 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     cfg.backend.name = resolve_backend(cfg.backend.name)
     combo = combination_of(cfg)
     found = problems(cfg, combo) + _attached_problems(cfg, overrides)
+    leads = _leads_here(cfg)
     preemptions = _resume_after_preemption(cfg, job_dir) if not found else 0
-    resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found else ([], None)
+    # Only the leader knows the agreed job directory (under torchrun the other ranks compose in "."): it finds and
+    # checks the checkpoint, and its workers pass the path to every rank (``launch.worker``).
+    resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found and leads else ([], None)
     found += resume_problems
-    tracks = _tracks_here(cfg)
+    tracks = bool(cfg.tracking.enabled) and leads
     if tracks and not found:
         found += _tracking_problems(cfg)
     if found:
@@ -163,7 +169,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     return LaunchPlan(
         config=config, saved_config=redaction.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
         overrides=tuple(overrides), sweeping=sweeping, wrap=resolve_wrap(combo), world_size=combo.world_size,
-        tracks=tracks, resumed_from=resumed_from, preemptions=preemptions, restarted=restarted,
+        leads=leads, tracks=tracks, resumed_from=resumed_from, preemptions=preemptions, restarted=restarted,
         started_at=started_at(sweeping, job_num),
         warnings=tuple(machine.precision_warnings(cfg.precision.name, combo.cuda_device_count,
                                                   machine.cpu_has_fast_bf16())))

@@ -83,28 +83,50 @@ def test_gpt_experiment_shards_its_blocks(tmp_path):
     assert "auto_model: wrap=fsdp2 precision=bf16" in (job / "logs" / "rank0.log").read_text()
 
 
-def test_under_torchrun_it_attaches_with_one_job_directory(tmp_path):
-    done = run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "hydraddp", *UNTRACKED_QUICK], cwd=tmp_path, timeout=180)
+def test_under_torchrun_it_attaches_with_one_job_directory_and_every_rank_resumes_latest_there(tmp_path):
+    def torchrun(*overrides: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                "-m", "hydraddp", "hydra.run.dir=job", *UNTRACKED_QUICK, *overrides]
+
+    done = run_process(torchrun("checkpoint.every_n_steps=6"), cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     assert finished(done.stdout)[:2] == (12, 2)
     assert done.stdout.count("hydraddp: done.") == 1  # one report, from rank 0
-    [job] = job_dirs(tmp_path)
+    job = tmp_path / "job"
+    assert [p.name for p in tmp_path.iterdir()] == ["job"]  # the other rank wrote no directory of its own
     assert sorted(p.name for p in (job / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    # checkpoint.resume=latest with the default checkpoint.dir: the ranks other than 0 compose in ".", yet every
+    # rank resumes the agreed job directory's latest checkpoint (they once looked in ./checkpoints and exited 2).
+    resumed = run_process(torchrun("checkpoint.resume=latest", "trainer.max_steps=18"), cwd=tmp_path, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert finished(resumed.stdout)[:2] == (18, 2)
+    for rank in (0, 1):
+        assert f"resumed from {job / 'checkpoints' / 'step_00000012'} at step 12" in (job / "logs" / f"rank{rank}.log").read_text()
 
 
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
+    """Node 1 starts first: its agent has the lower pid, and torch's rendezvous (which orders nodes by host and pid,
+    not by node_rank) gives its worker global rank 0. The launch's roles still follow node 0's job directory, the one
+    both nodes agreed on: the result, the done line and the retired preemption marker are there."""
     endpoint = f"127.0.0.1:{rendezvous_port()}"
-    for rank in (0, 1):
-        (tmp_path / f"node{rank}").mkdir()
+    agreed = tmp_path / "node0" / "job"
+    # A stale marker in the agreed directory (as after an earlier preempted launch that has since finished): a
+    # launch that ends there retires it, so that a rerun starts afresh.
+    agreed.mkdir(parents=True)
+    (agreed / "preempted.json").write_text(json.dumps([{"step": 0, "checkpoint": None, "signal": "SIGTERM"}]))
+    (tmp_path / "node1").mkdir()
     nodes = run_together([([sys.executable, "-m", "hydraddp", "launcher.nnodes=2", f"launcher.node_rank={rank}",
-                            "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", *UNTRACKED_QUICK],
-                           tmp_path / f"node{rank}") for rank in (0, 1)])
-    assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-3000:] for node in nodes]
+                            "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}", "hydra.run.dir=job",
+                            *UNTRACKED_QUICK], tmp_path / f"node{rank}") for rank in (1, 0)])
+    node1, node0 = nodes
+    assert [node0.returncode, node1.returncode] == [0, 0], [node.stderr[-3000:] for node in nodes]
+    node_files = {rank: json.loads((tmp_path / f"node{rank}" / "job" / "node.json").read_text()) for rank in (0, 1)}
+    assert node_files[1]["ranks"] == [0] and node_files[0]["ranks"] == [1], node_files  # global rank 0 on node 1
     # One training of world size 2, in one job directory: node 0's, where both ranks logged the same losses.
-    assert finished(nodes[0].stdout)[:2] == (12, 2)
-    [job] = job_dirs(tmp_path / "node0")
-    logs = list((job / "logs").glob("rank*.log"))
+    assert finished(node0.stdout)[:2] == (12, 2) and "hydraddp: done." not in node1.stdout
+    assert json.loads((agreed / "result.json").read_text())["world_size"] == 2
+    assert not (tmp_path / "node1" / "job" / "result.json").exists() and not (agreed / "preempted.json").exists()
+    logs = list((agreed / "logs").glob("rank*.log"))
     assert sorted(log.name for log in logs) == ["rank0.log", "rank1.log"]
     losses = [re.findall(r"step 12 loss ([\d.]+)", log.read_text()) for log in logs]
     assert losses[0] == losses[1] != []
