@@ -82,6 +82,26 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dic
     return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
+def _collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None) -> list[Problem]:
+    """Refuse a launch that would write its checkpoints over another launch's: a new launch into a reused
+    ``checkpoint.dir``, or a resume from step 200 where another launch's step 300 exists."""
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
+    if not root.is_dir():
+        return []  # the usual case (a new job directory): no torch import before the tracker starts
+    from hydraddp.train.checkpoint import others_ahead, written_by
+
+    start = resumed_from["step"] if resumed_from else 0
+    ahead = others_ahead(root, str(job_dir), start)
+    if not ahead:
+        return []
+    return [Problem(("checkpoint.dir",),
+                    f"checkpoint.dir={root} holds {len(ahead)} checkpoint(s) past step {start} that another launch "
+                    f"wrote ({', '.join(p.name for p in ahead[:3])}, by {written_by(ahead[-1])}): this launch would "
+                    "write the same steps over them, and checkpoint.resume=latest would then mix two trainings.",
+                    "Point checkpoint.dir at a new directory (checkpoint.resume=PATH reads from anywhere), resume the "
+                    "newest with checkpoint.resume=latest, or remove those checkpoints.")]
+
+
 def _attached_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     """Started by torchrun, srun or mpirun, the launcher's tasks are the ranks: a launcher.nproc_per_node typed on the
     command line that differs from the tasks on this node would silently run fewer (or more) processes."""
@@ -164,6 +184,10 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     if found:
         return found
     job_dir, restarted = job_dir_after_restart(job_dir, remove_untouched)
+    if leads and not restarted:  # (a restart goes on in the first attempt's directory: its checkpoints are its own)
+        found = _collision_problems(cfg, job_dir, resumed_from)
+        if found:
+            return found
     secrets = frozenset(redaction.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
     config = resolve(cfg)
     return LaunchPlan(

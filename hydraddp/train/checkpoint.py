@@ -10,6 +10,11 @@ Everything of ours that is not a tensor is JSON. DCP's own index (``.metadata``)
 restricted unpickler that builds DCP's metadata classes, torch sizes and dtypes and paths, and refuses any other
 global (``reader``), so loading a checkpoint runs no code it holds. A checkpoint is written as
 ``step_NNNNNNNN.tmp`` and renamed only when complete: ``latest`` never sees a half-written one.
+
+``meta.json`` names the launch that wrote it (``job_dir``, which restarts, requeues and reruns in that directory
+share) and the checkpoint that launch resumed from (``resumed_from``): a restart resumes its own launch's latest,
+``keep_last`` prunes only its own, a step the launch wrote before is replaced, and a launch that would write over
+another's checkpoints is refused before it starts (``others_ahead``).
 """
 
 from __future__ import annotations
@@ -57,13 +62,35 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first (``.tmp`` ones are still being written, or were killed)."""
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(Path(path).name)[1])
+
+
+def complete_checkpoints(root: Path, launch: str | None = None) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (``.tmp`` ones are still being written, or were killed);
+    with ``launch``, only those that launch wrote (``written_by``)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / META).exists()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name)[1]))
+    if launch is not None:
+        found = [p for p in found if written_by(p) == launch]
+    return sorted(found, key=step_of)
+
+
+def written_by(path: Path) -> str | None:
+    """The launch that wrote checkpoint ``path``: its job directory, which a restart, a requeue and a rerun in the
+    same directory share (None: unreadable, or written without one)."""
+    try:
+        return read_meta(path).get("job_dir")
+    except CheckpointError:
+        return None
+
+
+def others_ahead(root: Path, launch: str, start_step: int) -> list[Path]:
+    """Complete checkpoints under ``root`` past ``start_step`` that another launch wrote: a launch starting at
+    ``start_step`` would write over them, and ``latest`` would mix the two."""
+    return [p for p in complete_checkpoints(root) if step_of(p) > start_step and written_by(p) != launch]
 
 
 def find(root: Path, resume: str) -> Path:
@@ -187,12 +214,30 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     if idist.get_rank() == 0:
         full_meta = {**meta, "step": step, "param_groups": param_groups, "world_size": idist.get_world_size()}
         (tmp / META).write_text(json.dumps(full_meta, indent=1, default=str))
-        tmp.rename(final)  # atomic: a reader sees the whole checkpoint or none of it
-        for old in complete_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        _publish(tmp, final, meta.get("job_dir"))
+        # Only this launch's own: a root may also hold the checkpoints it resumed from.
+        own = complete_checkpoints(root, launch=meta.get("job_dir"))
+        for old in own[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     log.info("checkpoint %s written", final)
     return final
+
+
+def _publish(tmp: Path, final: Path, launch: str | None) -> None:
+    """Rename the complete ``tmp`` to ``final``: atomic, so a reader sees the whole checkpoint or none of it. A step
+    this launch wrote before (a restart, a requeue or a rerun in the same job directory redoing it) is replaced;
+    another launch's is never touched (``launch_plan`` refuses such a launch before it starts)."""
+    if final.exists():
+        if written_by(final) != launch:
+            raise CheckpointError(f"{final} exists, written by another launch ({written_by(final)}); this launch "
+                                  f"({launch}) will not write over it. Point checkpoint.dir at a new directory.")
+        replaced = final.with_name(f"{final.name}.replaced-{uuid.uuid4().hex[:8]}")
+        final.rename(replaced)  # both renames are atomic; between them latest sees the step before
+        tmp.rename(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        return
+    tmp.rename(final)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

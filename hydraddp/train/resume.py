@@ -27,8 +27,9 @@ def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, s
     path = cfg.checkpoint.resume
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     root = checkpoint_root(cfg, job_dir)
-    if restart and root is not None and checkpoint.complete_checkpoints(root):
-        path = str(checkpoint.complete_checkpoints(root)[-1])  # this launch's own latest: go on from there
+    own = checkpoint.complete_checkpoints(root, launch=str(job_dir)) if restart and root is not None else []
+    if own:
+        path = str(own[-1])  # this launch's own latest, not another launch's in a shared checkpoint.dir
         log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart)
     if not path:
         return None
@@ -81,7 +82,8 @@ class Saver:
             "run_id": run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None,
             # The tracker may create the run after this save (it yields the CPU to training): a resume
             # then reads the run id from the job directory.
-            "job_dir": str(self.job_dir) if self.job_dir else None,
+            "job_dir": str(self.job_dir) if self.job_dir else None,  # the launch that wrote it (its lineage, with:)
+            "resumed_from": self.cfg.checkpoint.resume or None,
             "wrap": getattr(getattr(self.model, "_hydraddp_wrap", None), "wrap", None),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,

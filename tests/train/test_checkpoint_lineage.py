@@ -1,0 +1,92 @@
+"""Checkpoints name the launch that wrote them: a step the same launch writes again is replaced, another launch's is
+never written over (refused before the launch starts), and a restart resumes its own launch's latest checkpoint,
+not the newest in a shared ``checkpoint.dir``. The in-process checks use DCP's single-process save and load."""
+
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from hydraddp.train import checkpoint, resume
+from tests.helpers.spawn import NO_PLAN, UNTRACKED, job_dirs, run_cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+
+
+def model_and_optimizer(fill: float):
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def save(root, step, fill, launch, keep_last=0):
+    model, optimizer = model_and_optimizer(fill)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return checkpoint.save(root, step, model, optimizer, {"job_dir": launch}, keep_last=keep_last)
+
+
+def loaded_weight(path) -> float:
+    model, optimizer = model_and_optimizer(0.0)
+    checkpoint.load(path, model, optimizer)
+    return model.weight[0, 0].item()
+
+
+def test_a_step_the_same_launch_writes_again_is_replaced_and_another_launchs_is_refused(tmp_path):
+    path = save(tmp_path, 4, 1.0, "/jobs/a")
+    assert save(tmp_path, 4, 2.0, "/jobs/a") == path  # once ENOTEMPTY: a rerun in the same job directory
+    assert loaded_weight(path) == 2.0 and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+    with pytest.raises(checkpoint.CheckpointError, match=r"written by another launch \(/jobs/a\)"):
+        save(tmp_path, 4, 3.0, "/jobs/b")
+    assert loaded_weight(path) == 2.0
+
+
+def test_keep_last_prunes_only_the_launchs_own_checkpoints(tmp_path):
+    save(tmp_path, 2, 1.0, "/jobs/a")  # the checkpoint launch b resumed from
+    for step in (4, 6, 8):
+        save(tmp_path, step, 1.0, "/jobs/b", keep_last=2)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000006",
+                                                                          "step_00000008"]
+    assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(tmp_path, launch="/jobs/b")] == [6, 8]
+
+
+def test_a_restart_resumes_its_own_launchs_latest_not_the_newest_in_the_folder(tmp_path, monkeypatch):
+    save(tmp_path, 4, 4.0, "/jobs/a")
+    save(tmp_path, 8, 8.0, "/jobs/other")  # newer, by another launch sharing checkpoint.dir
+    cfg = OmegaConf.create({"checkpoint": {"dir": str(tmp_path), "resume": None}})
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    model, optimizer = model_and_optimizer(0.0)
+    resumed = resume.resume(cfg, "/jobs/a", model, optimizer, None, None)
+    assert resumed.step == 4 and model.weight[0, 0].item() == 4.0
+    assert checkpoint.others_ahead(tmp_path, "/jobs/a", 0) == [tmp_path / "step_00000008"]
+    assert checkpoint.others_ahead(tmp_path, "/jobs/a", 8) == []
+
+
+@pytest.mark.slow
+def test_a_launch_that_would_write_over_another_launchs_checkpoints_exits_2_and_a_rerun_replaces_its_own(tmp_path):
+    quick = ["trainer.max_steps=12", "trainer.eval_every=0", "checkpoint.every_n_steps=6", NO_PLAN, UNTRACKED]
+    first = run_cli("hydra.run.dir=job", *quick, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = tmp_path / "job" / "checkpoints"
+    written = json.loads((root / "step_00000012" / "meta.json").read_text())
+    assert written["job_dir"] == str(tmp_path / "job") and written["resumed_from"] is None
+    # A new launch into that checkpoint.dir, and a resume from step 6 there (step 12 is ahead): each would write
+    # step 12 over the first launch's (it once crashed with ENOTEMPTY at that save, after training to it).
+    for extra in ([], [f"checkpoint.resume={root / 'step_00000006'}"]):
+        refused = run_cli(f"checkpoint.dir={root}", *extra, *quick, cwd=tmp_path / "other", timeout=60)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert f"checkpoint.dir={root} holds" in refused.stderr and "step_00000012" in refused.stderr
+        assert "Point checkpoint.dir at a new directory" in refused.stderr and "Traceback" not in refused.stderr
+        assert job_dirs(tmp_path / "other") == []  # nothing half-written
+    # A rerun in the same job directory is the same launch: it replaces its own steps.
+    rerun = run_cli("hydra.run.dir=job", *quick, "optim.optimizer.lr=0.01", cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rewritten = json.loads((root / "step_00000012" / "meta.json").read_text())
+    assert rewritten["config"]["optim"]["optimizer"]["lr"] == 0.01 != written["config"]["optim"]["optimizer"]["lr"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000012"]
