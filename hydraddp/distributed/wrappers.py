@@ -154,7 +154,7 @@ def broadcast_module_states(model: nn.Module, group: Any, device: torch.device, 
     import torch.distributed as dist
 
     src = dist.get_global_rank(group, src_in_group)
-    via_device = dist.get_backend(group) == "nccl"
+    via_device = "nccl" in str(dist.get_backend(group))  # nccl, or nccl with a gloo side (CPU tensors are faster so)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.is_meta or isinstance(tensor, torch.distributed.tensor.DTensor):

@@ -5,7 +5,8 @@ A checkpoint is a directory ``step_NNNNNNNN``:
 - DCP files with the tensors: ``model.*`` and the optimizer's ``optim.state.*``;
 - ``meta.json``: step, data position, resolved config, MLflow run id, the optimizer's param groups, the
   scheduler and grad-scaler states, the world size and wrap it was written with;
-- ``rng_rank{R}.json``: every rank's RNG states.
+- ``rng_rank{R}.json``: every rank's RNG states; ``loader_rank{R}.json``: its training loader's state (torchdata's
+  ``StatefulDataLoader``: the position, and each loader worker's RNGs).
 Everything of ours that is not a tensor is JSON. DCP's own index (``.metadata``) is a pickle: it is read by a
 restricted unpickler that builds DCP's metadata classes, torch sizes and dtypes and paths, and refuses any other
 global (``reader``), so loading a checkpoint runs no code it holds. A checkpoint is written as
@@ -19,11 +20,9 @@ another's checkpoints is refused before it starts (``others_ahead``).
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import pickle
-import random
 import re
 import shutil
 import socket
@@ -38,6 +37,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.tracking import names
+from hydraddp.train import rng
 
 # torch.distributed.checkpoint is imported where it is used: it pulls in DTensor (about 0.4 s per worker),
 # which a DDP run that never checkpoints has no use for before its first step.
@@ -56,6 +56,7 @@ class Resumed:
     step: int
     meta: dict[str, Any]
     rng: dict[str, Any] | None = None  # this rank's RNG states, when the world size is the one that saved them
+    loader: dict[str, Any] | None = None  # this rank's training-loader state (``data.Batches``), likewise
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -121,39 +122,6 @@ def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dic
     return {"state": tensors}, optim_sd["param_groups"]
 
 
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-
-    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state = {"torch": encode(torch.get_rng_state()), "python": repr(random.getstate()),
-             "numpy": {"kind": kind, "keys": base64.b64encode(keys.tobytes()).decode(), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}}
-    if torch.cuda.is_available():
-        state["cuda"] = [encode(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng(state: dict[str, Any] | None) -> None:
-    """Set this rank's torch, CUDA, NumPy and Python RNGs as a checkpoint saved them. Call it once the data
-    loader's iterator exists, right before the first step: nothing may draw in between."""
-    import ast
-
-    import numpy as np
-
-    if state is None:
-        return
-    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
-    torch.set_rng_state(decode(state["torch"]))
-    random.setstate(ast.literal_eval(state["python"]))  # literals only: no code runs
-    if "numpy" in state:
-        saved = state["numpy"]
-        keys = np.frombuffer(base64.b64decode(saved["keys"]), dtype=np.uint32)
-        np.random.set_state((saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -191,8 +159,9 @@ def check_shared(root: Path) -> None:
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-         keep_last: int = 0) -> Path:
-    """Write checkpoint ``step`` under ``root`` on every rank (a collective); returns its directory."""
+         keep_last: int = 0, loader_state: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint ``step`` under ``root`` on every rank (a collective); returns its directory.
+    ``loader_state``: this rank's training-loader state (its position, and its workers' RNGs), as JSON."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if idist.get_rank() == 0:
@@ -209,7 +178,9 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.save(state, checkpoint_id=tmp)
     elif idist.get_rank() == 0:  # Horovod or one process: every rank holds the full state; rank 0 writes it
         dcp.save(state, checkpoint_id=tmp, no_dist=True)
-    (tmp / f"rng_rank{idist.get_rank()}.json").write_text(json.dumps(_rng_state()))
+    (tmp / f"rng_rank{idist.get_rank()}.json").write_text(json.dumps(rng.state()))
+    if loader_state is not None:
+        (tmp / f"loader_rank{idist.get_rank()}.json").write_text(json.dumps(loader_state))
     _barrier()
     if idist.get_rank() == 0:
         full_meta = {**meta, "step": step, "param_groups": param_groups, "world_size": idist.get_world_size()}
@@ -317,7 +288,7 @@ def check_model_matches(path: Path, model_cfg: Any) -> None:
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
     """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
     size wrote it (a collective). Returns the step, the metadata and this rank's saved RNG states, which
-    the caller restores (``restore_rng``) once its data loader is ready."""
+    the caller restores (``rng.restore``) once its data loader is ready."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -335,8 +306,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resu
     for fqn, tensors in optim_tensors["state"].items():
         optim_sd["state"][fqn].update(tensors)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    rng_file = Path(path) / f"rng_rank{idist.get_rank()}.json"
     same_world = meta.get("world_size") == idist.get_world_size()
-    rng = json.loads(rng_file.read_text()) if rng_file.exists() and same_world else None
+    rank_files = [Path(path) / f"{kind}_rank{idist.get_rank()}.json" for kind in ("rng", "loader")]
+    rng_states, loader = (json.loads(f.read_text()) if f.exists() and same_world else None for f in rank_files)
     log.info("resumed from %s at step %d", path, meta["step"])
-    return Resumed(meta["step"], meta, rng)
+    return Resumed(meta["step"], meta, rng_states, loader)

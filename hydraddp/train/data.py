@@ -1,15 +1,25 @@
-"""The loop's data: a training loader that resumes at a saved position through its sampler, and an
-evaluation loader that sees every sample exactly once, whatever the world size."""
+"""The loop's data: a training loader that resumes exactly where it stopped, and an evaluation loader that sees
+every sample exactly once, whatever the world size.
+
+The training loader is torchdata's ``StatefulDataLoader``: its state (the position in the epoch, and each loader
+worker's RNGs through ``WorkerRng``) goes into the checkpoint, so random augmentation in workers resumes as the
+uninterrupted run drew it. An ``IterableDataset`` is dealt over ranks and loader workers (``RankShard``), and its
+position is part of that state too. At another world size, a map-style set resumes through its sampler at the
+step's position (``ResumableDistributedSampler``).
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import hydraddp.distributed as idist
+from hydraddp.train import rng
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -50,15 +60,71 @@ def _workers(num_workers: int, nproc: int) -> int:
     return -(-num_workers // nproc) if num_workers >= nproc else num_workers
 
 
-def train_loader(dataset: Dataset, batch_size: int, num_workers: int, seed: int) -> DataLoader:
+class WorkerRng(Dataset):
+    """``dataset`` as it is, plus a state for ``StatefulDataLoader``: the RNG states of the loader worker that runs
+    it. A resumed worker starts with them, so a random augmentation draws what the uninterrupted run drew (torch
+    seeds a worker once, when it starts)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": rng.state(cuda=False)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng.restore(state["rng"])
+
+
+class RankShard(IterableDataset):
+    """An ``IterableDataset`` dealt over ranks and loader workers: item ``i`` of a pass goes to shard
+    ``i mod (ranks x workers)``. Its position is its state, so a resumed loader skips what was consumed."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, world: int):
+        self.dataset, self.rank, self.world = dataset, rank, world
+        self.position, self._items = 0, iter(())
+
+    def _start(self, position: int) -> None:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        shards = self.world * workers
+        mine = itertools.islice(self.dataset, self.rank * workers + worker, None, shards)
+        self.position, self._items = position, itertools.islice(mine, position, None)
+
+    def __iter__(self) -> RankShard:
+        self._start(0)
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._items)
+        self.position += 1
+        return item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._start(state["position"])
+
+
+def train_loader(dataset: Dataset, batch_size: int, num_workers: int, seed: int) -> StatefulDataLoader:
     """``batch_size`` and ``num_workers`` are global (split over the ranks and the node's processes, as
     ignite's auto_dataloader splits them). The loader has its own generator, so making an iterator draws
     nothing from torch's global RNG: a dropout model's random numbers do not depend on when epochs begin."""
     world, nproc = idist.get_world_size(), idist.get_nproc_per_node()
+    workers = _workers(num_workers, nproc)
+    settings = {"batch_size": batch_size // world, "num_workers": workers,
+                "pin_memory": idist.device().type == "cuda", "generator": torch.Generator()}
+    if isinstance(dataset, IterableDataset):
+        return StatefulDataLoader(RankShard(dataset, idist.get_rank(), world), drop_last=True, **settings)
     sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=idist.get_rank(), shuffle=True, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size // world, sampler=sampler, drop_last=True,
-                      num_workers=_workers(num_workers, nproc),
-                      pin_memory=idist.device().type == "cuda", generator=torch.Generator())
+    # In the main process (no workers) the checkpoint's own RNG states cover what the dataset draws.
+    return StatefulDataLoader(WorkerRng(dataset) if workers else dataset, sampler=sampler, drop_last=True, **settings)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoader:
@@ -70,19 +136,32 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoad
 
 
 class Batches:
-    """The training batches after ``step`` steps: the same epochs, order and worker seeds as an uninterrupted
-    run. Its iterator exists once this is built (before a resume restores the RNG states)."""
+    """The training batches after ``step`` steps: the same epochs, order, worker seeds and worker RNGs as an
+    uninterrupted run. ``state`` is ``state_dict()`` as a checkpoint of the same world size saved it; without it a
+    map-style set starts at the step's position through its sampler, and an iterable one at its beginning. Its
+    iterator exists once this is built (before a resume restores the RNG states)."""
 
-    def __init__(self, loader: DataLoader, step: int, seed: int):
+    def __init__(self, loader: StatefulDataLoader, step: int, seed: int, state: dict[str, Any] | None = None):
         self.loader, self.seed = loader, seed
-        self.epoch, offset = divmod(step, len(loader))
-        loader.sampler.start_next_pass_at(offset * loader.batch_size)
+        iterable = isinstance(loader.dataset, IterableDataset)
+        if state is not None and state.get("workers") == loader.num_workers:
+            self.epoch = state["epoch"]
+            loader.load_state_dict(state["loader"])
+        elif iterable:
+            self.epoch = 0  # (another world size or worker count deals the stream differently: it starts again)
+        else:
+            self.epoch, offset = divmod(step, len(loader))
+            loader.sampler.start_next_pass_at(offset * loader.batch_size)
         self._iter = self._open()
 
     def _open(self) -> Iterator:
-        self.loader.sampler.set_epoch(self.epoch)
+        if isinstance(self.loader.sampler, DistributedSampler):
+            self.loader.sampler.set_epoch(self.epoch)
         self.loader.generator.manual_seed(self.seed * 100_003 + self.epoch)  # worker seeds per (seed, epoch)
         return iter(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "workers": self.loader.num_workers, "loader": self.loader.state_dict()}
 
     def __iter__(self) -> Batches:
         return self

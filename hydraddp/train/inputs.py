@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 from hydraddp import redaction
 
@@ -204,6 +204,9 @@ def describe_datasets(config: Any, train_set: Any, eval_set: Any) -> list[dict[s
     DictConfig). A set that cannot be described is left out with a warning; training goes on."""
     payloads = []
     for split, dataset in ((TRAIN, train_set), (EVAL, eval_set)):
+        if isinstance(dataset, IterableDataset):  # reading a user's stream here could cost, or consume, anything
+            log.info("the %s set is a stream (an IterableDataset): not logged as a run input", split)
+            continue
         began = time.perf_counter()
         try:
             payloads.append(describe(dataset, config, split))

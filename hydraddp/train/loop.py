@@ -26,7 +26,7 @@ from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, resume, tasks
+from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, resume, rng, tasks
 from hydraddp.train.logs import ConsoleHandler
 from hydraddp.train.metrics import StepLog, TensorPeak, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
@@ -236,14 +236,15 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
     result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)
     progress = _progress(cfg, start_step)
-    batches = data.Batches(parts.loader, start_step, trainer.seed)
+    batches = data.Batches(parts.loader, start_step, trainer.seed, parts.resumed.loader if parts.resumed else None)
     if parts.resumed is not None:
-        checkpoint.restore_rng(parts.resumed.rng)  # now: nothing draws between here and the first step
+        rng.restore(parts.resumed.rng)  # now: nothing draws between here and the first step
     # What will really run: the realized wrapper (wrap=auto decided), and the steps left after a resume.
     realized = getattr(getattr(model, "_hydraddp_wrap", None), "wrap", cfg.wrap.name)
     log.info("training steps %d-%d of %d: wrap=%s precision=%s task=%s on %s, world size %d", start_step + 1,
              last_step, trainer.max_steps, realized, cfg.precision.name, type(task).__name__, device, world)
-    saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config, events)
+    saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config, events,
+                         loader_state=batches.state_dict)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
     with preemption.Preemption(list(cfg.checkpoint.preempt_signals)) as stop:
         for step in range(start_step + 1, last_step + 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -51,9 +51,12 @@ class Saver:
     """Periodic, early-stop and final checkpoints, as ``cfg.checkpoint`` says."""
 
     def __init__(self, cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler,
-                 saved_config: dict[str, Any], events: EventWriter | None = None):
-        """``events``: the tracking rank's writer, for ``tracking.model.every_checkpoint`` (None elsewhere)."""
+                 saved_config: dict[str, Any], events: EventWriter | None = None,
+                 loader_state: Callable[[], dict[str, Any]] | None = None):
+        """``events``: the tracking rank's writer, for ``tracking.model.every_checkpoint`` (None elsewhere).
+        ``loader_state``: the training loader's state now (``data.Batches.state_dict``), saved with each checkpoint."""
         self.cfg, self.job_dir, self.saved_config, self.events = cfg, job_dir, saved_config, events
+        self.loader_state = loader_state
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = checkpoint_root(cfg, job_dir)
         self.last_saved: tuple[int, Path] | None = None
@@ -88,6 +91,7 @@ class Saver:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
-        path = checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=self.cfg.checkpoint.keep_last)
+        path = checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=self.cfg.checkpoint.keep_last,
+                               loader_state=self.loader_state() if self.loader_state else None)
         self.last_saved = (step, path)
         return path

@@ -134,3 +134,11 @@ def test_a_rank_uses_its_local_rank_or_the_one_gpu_its_task_sees():
     assert [rank_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1: each sees its own
     with pytest.raises(RuntimeError, match=r"local rank 3 has no GPU of its own: this process sees 2 GPU\(s\)"):
         rank_device_index(3, 2)
+
+
+def test_nccl_groups_get_a_gloo_side_for_cpu_tensors_and_keep_ignites_backend_name():
+    from hydraddp.distributed.comp_models.native import backend_name, with_cpu_side
+
+    assert with_cpu_side("nccl") == "cuda:nccl,cpu:gloo"  # offloaded FSDP2 clips CPU DTensors on this group
+    assert with_cpu_side("gloo") == "gloo"
+    assert backend_name(with_cpu_side("nccl")) == "nccl" and backend_name("gloo") == "gloo"

@@ -131,9 +131,11 @@ def test_cpu_offload_trains_with_shards_on_the_cpu(offload, wrap):
     for run in (by_wrap[wrap] for by_wrap in runs.values()):
         report = run["report"]
         assert (report["wrapper"], report["offload"], report["world_size"]) == (wrap, "cpu", nproc)
+        assert run["backend"] == "nccl"  # ignite's name, though the group is nccl with a gloo side for CPU tensors
+        assert run["group_backend"] in (None, "cuda:nccl,cpu:gloo")
         assert run["shard_devices"] == ["cpu"]
         assert run["grad_devices"] == ["cpu"]
-        # Offloading moves tensors, not arithmetic: the same steps as on the GPU alone.
+        # Offloading moves tensors, not arithmetic: the same clipped steps as on the GPU alone.
         assert run["losses"] == pytest.approx(run["reference_losses"], abs=FP32_TOL)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hydraddp.distributed as idist
+from hydraddp.train.step import clip as clip_gradients
 from tests.distributed.models import bn_net
 from tests.distributed.workers import GLOBAL_BATCH, dataset, full_params, mlp, train_parity
 
@@ -37,8 +38,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor (FSDP2): this rank's shard
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 5, scaler=None) -> list[float]:
-    """train_parity's loop (same data, same global batch), with an optional grad scaler: global mean losses."""
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 5, scaler=None,
+          clip: float | None = None) -> list[float]:
+    """train_parity's loop (same data, same global batch), with an optional grad scaler and the loop's own gradient
+    clipping (hydraddp.train.step.clip): global mean losses."""
     loader = idist.auto_dataloader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False)
     losses = []
     for _, (x, y) in zip(range(steps), loader):
@@ -47,6 +50,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 5, sc
         optimizer.zero_grad()
         if scaler is None:
             loss.backward()
+            if clip is not None:
+                clip_gradients(model, clip)  # the loop's own
             optimizer.step()
         else:
             scaler.scale(loss).backward()
@@ -124,12 +129,16 @@ def offload_runs(local_rank: int, wraps: list[str]) -> dict[str, dict]:
     exact_fp32()
     out = {}
     for wrap in wraps:
+        # Clipped as the loop clips by default (trainer.grad_clip=1.0): with offload, FSDP2's gradients are CPU
+        # DTensors, whose norm is all-reduced through the group's gloo side (nccl alone cannot reduce them).
         reference = idist.auto_model(mlp(), wrap=wrap)
-        reference_losses = train(reference, sgd(reference), steps=3)
+        reference_losses = train(reference, sgd(reference), steps=3, clip=0.1)
         model = idist.auto_model(mlp(), wrap=wrap, offload="cpu")
         optimizer = sgd(model)
-        losses = train(model, optimizer, steps=3)
+        losses = train(model, optimizer, steps=3, clip=0.1)
         out[wrap] = {
+            "backend": idist.backend(),
+            "group_backend": str(torch.distributed.get_backend()) if idist.get_world_size() > 1 else None,
             "losses": losses,
             "reference_losses": reference_losses,
             "report": idist.wrap_report(model, optimizer).to_dict(),

@@ -40,25 +40,38 @@ def losses(job: Path, rank: int = 0) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([\d.]+)", text)}
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "fsdp2"])
-def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap):
+DATA = {"digits": [],
+        # noise drawn in the loader's workers (two per rank), and a stream (an IterableDataset, no length): user data
+        "augmented": ["data.dataset._target_=tests.train.user_data.noisy_digits", "~data.dataset.eval_fraction",
+                      "~data.dataset.seed", "data.num_workers=4"],
+        "stream": ["data.dataset._target_=tests.train.user_data.digit_stream", "~data.dataset.eval_fraction",
+                   "~data.dataset.seed", "data.num_workers=2"]}
+
+
+@pytest.mark.parametrize("wrap,data", [("ddp", "augmented"), ("fsdp", "stream"), ("fsdp2", "digits")])
+def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap, data):
+    """Each wrap with other data (the loader's state is the same code under every wrap), each launch three times.
+    The training loader's state is in the checkpoint (torchdata's StatefulDataLoader): its position and each loader
+    worker's RNGs, so the noise drawn in workers is drawn again as the uninterrupted run drew it (torch seeds a worker
+    once, at the epoch's start: it once drew the epoch's first noise again), and a stream dealt over ranks and
+    workers skips what it gave. 30 steps cross an epoch (23 steps) after the resume at 10."""
     mlflow = [f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    full = run_cli(f"wrap={wrap}", *BASE, "trainer.max_steps=20", "checkpoint.save_last=true", UNTRACKED,
-                   cwd=tmp_path / "full")
+    common = [f"wrap={wrap}", *BASE, "trainer.max_steps=30", *DATA[data]]
+    full = run_cli(*common, "checkpoint.save_last=true", UNTRACKED, cwd=tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
-    stopped = run_cli(f"wrap={wrap}", *BASE, "trainer.max_steps=20", "trainer.stop_at_step=12", *mlflow,
-                      cwd=tmp_path / "stopped")
+    stopped = run_cli(*common, "trainer.stop_at_step=12", *mlflow, cwd=tmp_path / "stopped")
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     [stopped_job] = job_dirs(tmp_path / "stopped")
     assert checkpoints(stopped_job / "checkpoints") == ["step_00000010", "step_00000012"]  # keep_last=2
-    resumed = run_cli(f"wrap={wrap}", *BASE, "trainer.max_steps=20", "checkpoint.save_last=true",
+    resumed = run_cli(*common, "checkpoint.save_last=true",
                       f"checkpoint.resume={stopped_job / 'checkpoints' / 'step_00000010'}", *mlflow,
                       cwd=tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     [full_job], [resumed_job] = job_dirs(tmp_path / "full"), job_dirs(tmp_path / "resumed")
     assert min(losses(resumed_job)) == 11  # it went on from step 10, not from the start
-    reference = export(full_job / "checkpoints" / "step_00000020", tmp_path / "full.pt")
-    continued = export(resumed_job / "checkpoints" / "step_00000020", tmp_path / "resumed.pt")
+    assert [losses(resumed_job)[s] for s in range(11, 31)] == [losses(full_job)[s] for s in range(11, 31)]
+    reference = export(full_job / "checkpoints" / "step_00000030", tmp_path / "full.pt")
+    continued = export(resumed_job / "checkpoints" / "step_00000030", tmp_path / "resumed.pt")
     assert max_diff(reference, continued) <= 1e-6
 
     from mlflow.tracking import MlflowClient
@@ -68,7 +81,7 @@ def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap):
     [stopped_run] = runs  # the stopped run, which the resume continued (the uninterrupted one is untracked)
     assert stopped_run.info.run_id == _run_id(resumed_job) == _run_id(stopped_job)
     steps = [m.step for m in client.get_metric_history(stopped_run.info.run_id, "train/loss")]
-    assert sorted(steps) == list(range(1, 21))  # every step exactly once, though 11 and 12 ran twice
+    assert sorted(steps) == list(range(1, 31))  # every step exactly once, though 11 and 12 ran twice
 
 
 def _run_id(job: Path) -> str:

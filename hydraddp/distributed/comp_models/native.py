@@ -95,6 +95,21 @@ class _Topology(NamedTuple):
     node_rank: int
 
 
+NCCL_WITH_CPU_SIDE = "cuda:nccl,cpu:gloo"
+
+
+def with_cpu_side(backend: str) -> str:
+    """The backend string a group is made with: nccl gets a gloo side for CPU tensors (torch's own default when no
+    backend is named). FSDP2 with ``offload=cpu`` clips gradients with collectives on CPU DTensors, which nccl alone
+    cannot reduce."""
+    return NCCL_WITH_CPU_SIDE if backend == "nccl" else backend
+
+
+def backend_name(group_backend: str) -> str:
+    """The backend a user asked for, from the group's: ``cuda:nccl,cpu:gloo`` is nccl (ignite's ``backend()``)."""
+    return "nccl" if "nccl" in group_backend else group_backend
+
+
 def _gather_on_cpu(obj: Any) -> list[Any]:
     """An object all-gather that works whatever the default group's backend (nccl has no CPU objects)."""
     if dist.get_backend() == "gloo":
@@ -193,6 +208,7 @@ class _NativeDistModel(ComputationModel):
         if timeout is not None:
             init_kwargs["timeout"] = timeout
         store = _attempt_store(timeout) if init_method == "env://" and "store" not in init_kwargs else None
+        requested, backend = backend, with_cpu_side(backend)
         if store is not None:
             dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, store=store,
                                     **init_kwargs)
@@ -204,7 +220,7 @@ class _NativeDistModel(ComputationModel):
         if torch.cuda.is_available():
             torch.cuda.set_device(rank_device_index(launch.local_rank, torch.cuda.device_count()))
         # Everyone is in before anyone uses the group (and nccl learns this rank's device).
-        dist.barrier(device_ids=[torch.cuda.current_device()] if backend == "nccl" else None)
+        dist.barrier(device_ids=[torch.cuda.current_device()] if requested == "nccl" else None)
         topology = _topology(dist.get_rank(), dist.get_world_size(), launch.local_rank)
         return _NativeDistModel(topology, owns_group=True, init_method=init_method, restore_env=restore)
 
@@ -261,7 +277,7 @@ class _NativeDistModel(ComputationModel):
         return torch.device("cpu")
 
     def backend(self) -> str:
-        return str(dist.get_backend())
+        return backend_name(str(dist.get_backend()))
 
     def finalize(self) -> None:
         if self._owns_group and dist.is_initialized():
