@@ -44,7 +44,7 @@ RUN_BY = {
     "python -m hydraddp.export": "tests/train/test_checkpoint.py::test_the_export_loads_with_weights_only_into_the_unwrapped_model",
     "python -m hydraddp --cfg job | --help": "tests/test_cli.py::test_help_lists_every_group_and_its_options",
     "python -m hydraddp --config-dir myconf": "tests/test_readme.py::test_the_own_package_snippets_train_with_the_readmes_command",
-    "torchrun --nproc_per_node=2 -m hydraddp": "tests/test_cli.py::test_under_torchrun_it_attaches_with_one_job_directory",
+    "torchrun --nproc_per_node=2 -m hydraddp": "tests/test_cli.py::test_under_torchrun_it_attaches_with_one_job_directory_and_every_rank_resumes_latest_there",
     "horovodrun --gloo -np 2": "tests/horovod/test_horovod.py::test_horovodrun_attach_makes_one_run_and_one_job_directory",
     "cp .env.example .env": "tests/test_docker_compose.py::test_services_and_secrets",
     "docker compose up --build": "tests/test_docker_compose.py::test_trainers_are_one_two_node_rendezvous_of_valid_hydraddp_commands",
