@@ -11,6 +11,7 @@ step's position (``ResumableDistributedSampler``).
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,10 +122,17 @@ def train_loader(dataset: Dataset, batch_size: int, num_workers: int, seed: int)
     settings = {"batch_size": batch_size // world, "num_workers": workers,
                 "pin_memory": idist.device().type == "cuda", "generator": torch.Generator()}
     if isinstance(dataset, IterableDataset):
-        return StatefulDataLoader(RankShard(dataset, idist.get_rank(), world), drop_last=True, **settings)
+        return _stateful_loader(RankShard(dataset, idist.get_rank(), world), drop_last=True, **settings)
     sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=idist.get_rank(), shuffle=True, seed=seed)
     # In the main process (no workers) the checkpoint's own RNG states cover what the dataset draws.
-    return StatefulDataLoader(WorkerRng(dataset) if workers else dataset, sampler=sampler, drop_last=True, **settings)
+    return _stateful_loader(WorkerRng(dataset) if workers else dataset, sampler=sampler, drop_last=True, **settings)
+
+
+def _stateful_loader(dataset: Dataset, **settings: Any) -> StatefulDataLoader:
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: a warning on every launch, not the user's
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, **settings)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoader:
