@@ -66,6 +66,13 @@ def _requirements(model: Any) -> list[str]:
     return pinned
 
 
+def warm_up() -> None:
+    """Import what logging a model needs (torch, MLflow's pytorch flavor: about 3 CPU-seconds) while the ranks train,
+    so that the launch's end waits for the logging alone."""
+    import mlflow.pytorch  # noqa: F401  (imports torch)
+    from mlflow.models import infer_signature  # noqa: F401
+
+
 def _bare_model(payload: dict[str, Any]) -> Any:
     """The model the config builds, with the ranks' weights, in eval mode."""
     import torch

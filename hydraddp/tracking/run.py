@@ -138,6 +138,13 @@ class LaunchRun:
                 if self._abort.wait(delay):
                     return
                 delay = min(delay * 2, 5.0)
+        if self.config and self.config.get("tracking", {}).get("model", {}).get("enabled"):
+            from hydraddp.tracking.logged_model import warm_up
+
+            try:
+                warm_up()  # this process runs at nice 19: the ranks come first
+            except Exception as exc:  # the logging itself says what is wrong, at the end
+                log.debug("warming up the model's logging failed: %s", exc)
         while True:
             stopping = self._stop.is_set()
             try:
