@@ -11,6 +11,7 @@ step's position (``ResumableDistributedSampler``).
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import hydraddp.distributed as idist
 from hydraddp.train import rng
+
+log = logging.getLogger("hydraddp.train.loop")
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -156,7 +159,10 @@ class Batches:
             self.epoch = state["epoch"]
             loader.load_state_dict(state["loader"])
         elif iterable:
-            self.epoch = 0  # (another world size or worker count deals the stream differently: it starts again)
+            self.epoch = 0
+            if step:  # another world size or worker count deals the stream differently
+                log.warning("the training stream starts again from its beginning at step %d: its position was saved "
+                            "at another world size or data.num_workers", step)
         else:
             self.epoch, offset = divmod(step, len(loader))
             loader.sampler.start_next_pass_at(offset * loader.batch_size)
