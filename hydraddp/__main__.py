@@ -28,4 +28,6 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    from hydraddp.exit_codes import exit_without_teardown
+
+    exit_without_teardown(_main)

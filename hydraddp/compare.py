@@ -5,4 +5,6 @@ import sys
 from hydraddp.tracking.compare import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hydraddp.exit_codes import exit_without_teardown
+
+    exit_without_teardown(main)

@@ -59,4 +59,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hydraddp.exit_codes import exit_without_teardown
+
+    exit_without_teardown(main)

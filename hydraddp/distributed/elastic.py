@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -62,6 +62,8 @@ class _Entry:
             return result
         except BaseException as exc:
             self._record_failure(exc)
+            if isinstance(exc, KeyboardInterrupt):
+                _stop_without_unwinding()
             raise
         finally:
             utils.finalize()
@@ -79,6 +81,22 @@ class _Entry:
             "traceback": traceback.format_exc(),
         }
         Path(self.failure_dir, f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+def _stop_without_unwinding() -> NoReturn:
+    """A worker told to stop (the agent passes Ctrl-C on as SIGINT) leaves at once, its logs flushed.
+
+    Unwinding a step that SIGINT cut short frees DDP's reducer, whose process group joins gloo's thread; that thread
+    is finishing the interrupted all-reduce and needs the GIL to drop its tensors, which the freeing thread holds.
+    torch then deadlocks until the agent's 30-second grace ends in SIGKILL (py-spy: ``~Reducer`` ->
+    ``~ProcessGroupGloo`` -> ``std::thread::join``, and gloo's ``~AsyncWork`` waiting in ``gil_scoped_acquire``):
+    one Ctrl-C in four took 30 s to return. Nothing is left to tear down that the exit itself does not."""
+    logging.getLogger(__name__).warning("rank %s stopped: interrupted", os.environ.get("RANK", "?"))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def worker_start_method(backend: str | None) -> str:

@@ -180,4 +180,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hydraddp.exit_codes import exit_without_teardown
+
+    exit_without_teardown(main)

@@ -20,13 +20,15 @@ CASES = [(None, "fp32", "sgd")]
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hvd")
+def parity(pools):
+    # One Horovod pool serves every check body here (torch's MultiProcContinuousTest pattern): it absorbed the
+    # spawns of test_auto_model_broadcasts..., test_auto_optim_wraps... and test_collectives_through_horovod.
+    # The references run on the suite's shared gloo and one-process pools.
     target = "tests.distributed.workers:train_cases"
     return {
-        "one": run_parallel(target, CASES, backend="none", nproc=1, tmp_path=tmp)[0][CASES[0]],
-        "gloo_ddp": run_parallel(target, [("ddp", "fp32", "sgd")], tmp_path=tmp)[0][("ddp", "fp32", "sgd")],
-        "horovod": run_parallel(target, CASES, backend="horovod", tmp_path=tmp, timeout=180),
+        "one": pools.run(target, CASES, backend=None)[0][CASES[0]],
+        "gloo_ddp": pools.run(target, [("ddp", "fp32", "sgd")])[0][("ddp", "fp32", "sgd")],
+        "horovod": pools.run(target, CASES, backend="horovod"),
     }
 
 
@@ -45,25 +47,24 @@ def test_every_rank_holds_the_full_model(parity):
         assert report["param_bytes"] == report["total_numel"] * 4 == report["grad_bytes"]
 
 
-def test_auto_model_broadcasts_rank0s_initial_state(tmp_path):
-    out = run_parallel("tests.horovod.workers:broadcast_from_rank0", backend="horovod", tmp_path=tmp_path, timeout=180)
+def test_auto_model_broadcasts_rank0s_initial_state(pools):
+    out = pools.run("tests.horovod.workers:broadcast_from_rank0", backend="horovod")
     assert max_param_diff(out[0]["before"], out[1]["before"]) > 0  # they really started apart
     for rank in (0, 1):
         assert max_param_diff(out[rank]["after"], out[0]["before"]) == 0
         assert out[rank]["wrapper"] == "horovod"
 
 
-def test_auto_optim_wraps_and_broadcasts_the_optimizer_state(tmp_path):
-    out = run_parallel("tests.horovod.workers:optimizer_state_from_rank0", backend="horovod", tmp_path=tmp_path,
-                       timeout=180)
+def test_auto_optim_wraps_and_broadcasts_the_optimizer_state(pools):
+    out = pools.run("tests.horovod.workers:optimizer_state_from_rank0", backend="horovod")
     assert not torch.equal(out[0]["before"][0], out[1]["before"][0])
     for rank in (0, 1):
         assert out[rank]["distributed"]  # a Horovod DistributedOptimizer
         assert all(torch.equal(a, b) for a, b in zip(out[rank]["after"], out[0]["before"]))
 
 
-def test_collectives_through_horovod(tmp_path):
-    out = run_parallel("tests.horovod.workers:collectives", backend="horovod", tmp_path=tmp_path, timeout=180)
+def test_collectives_through_horovod(pools):
+    out = pools.run("tests.horovod.workers:collectives", backend="horovod")
     for rank in (0, 1):
         assert (out[rank]["world"], out[rank]["backend"], out[rank]["nproc"]) == (2, "horovod", 2)
         assert out[rank]["sum"] == 3 and out[rank]["avg"] == [0.5]
@@ -71,7 +72,7 @@ def test_collectives_through_horovod(tmp_path):
         assert out[rank]["safe"] == "only0" and out[rank]["max"] == [1.0]
 
 
-def test_a_raising_horovod_worker_is_named(tmp_path):
+def test_a_raising_horovod_worker_is_named(tmp_path):  # a launch of its own: the launcher's report is the subject
     failure = run_parallel("tests.distributed.workers:fail_on_rank", 1, backend="horovod", tmp_path=tmp_path,
                            expect_failure=True, timeout=180)
     assert (failure["rank"], failure["error"]) == (1, "ValueError: boom on rank 1")
