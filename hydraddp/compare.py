@@ -1,6 +1,5 @@
 """python -m hydraddp.compare EXPERIMENT_OR_PARENT_RUN: a table of runs and PNG plots (see hydraddp.tracking.compare)."""
 
-import sys
 
 from hydraddp.tracking.compare import main
 

@@ -4,7 +4,6 @@ Send the metric points a launch kept in JOB_DIR/events.jsonl while its MLflow se
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 from hydraddp.tracking.run import sync

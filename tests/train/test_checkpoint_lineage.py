@@ -3,7 +3,6 @@ never written over (refused before the launch starts), and a restart resumes its
 not the newest in a shared ``checkpoint.dir``. The in-process checks use DCP's single-process save and load."""
 
 import json
-import sys
 import warnings
 
 import pytest
