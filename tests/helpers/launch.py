@@ -25,4 +25,6 @@ def main(payload_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from hydraddp.exit_codes import exit_without_teardown
+
+    exit_without_teardown(lambda: main(sys.argv[1], sys.argv[2]))  # as hydraddp's own commands end

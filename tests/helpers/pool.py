@@ -186,4 +186,6 @@ def main(host: str, port: str, backend: str, nproc: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    from hydraddp.exit_codes import exit_without_teardown
+
+    exit_without_teardown(lambda: main(*sys.argv[1:5]))  # as hydraddp's own commands end
