@@ -123,7 +123,8 @@ def _wait_for_run(settings: dict[str, Any], ended: threading.Event) -> tuple[str
 
     node_file, deadline = Path(settings["job_dir"], NODE_FILE), None
     while not node_file.exists():
-        if ended.wait(RUN_POLL_S):
+        # Looked at again once the launch ended: a short launch can write the file and end within one poll.
+        if ended.wait(RUN_POLL_S) and not node_file.exists():
             return None, Path(settings["job_dir"])  # the workers never started
     job_dir = json.loads(node_file.read_text())["job_dir"]
     client = mlflow_client(settings["uri"])

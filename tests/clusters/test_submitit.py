@@ -13,13 +13,13 @@ import sys
 import pytest
 
 from tests.clusters.test_preemption import STEPS, final_params, logged, run_of
-from tests.helpers.spawn import NO_PLAN, interrupt_when, run_cli
+from tests.helpers.spawn import NO_MODEL, NO_PLAN, interrupt_when, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra: pip install 'hydraddp[slurm]'")
 
-LOCAL = ["hydra/launcher=submitit_local", "launcher.nproc_per_node=2", NO_PLAN]
+LOCAL = ["hydra/launcher=submitit_local", "launcher.nproc_per_node=2", NO_PLAN, NO_MODEL]
 
 
 def sweep_jobs(root):

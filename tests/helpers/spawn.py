@@ -30,6 +30,11 @@ NO_PLAN = "plan.record=false"
 # CPU-seconds, after the ranks on 2 cores). Launches that test the CLI, launchers or training itself leave it out;
 # the tests of tracking, resumes into the same run and preemption keep it, and so do test_cli's sweep of every wrap.
 UNTRACKED = "tracking.enabled=false"
+# A tracked launch logs the trained model at the end (torch and MLflow's pytorch flavor in the tracker: about 3
+# CPU-seconds and 2 s of a 12-step launch here). Tracked launches that check something else leave it out; the
+# model's own tests (test_logged_model.py, test_library_models.py), test_mlflow's contract launches, test_cli's sweep
+# and test_features_together keep it.
+NO_MODEL = "tracking.model.enabled=false"
 
 
 def rendezvous_port() -> int:

@@ -10,7 +10,7 @@ import torch
 
 from hydraddp.distributed import has_hvd_support
 from tests.distributed.test_parity import FP32_TOL, max_param_diff
-from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli, run_parallel, run_process
+from tests.helpers.spawn import NO_MODEL, NO_PLAN, job_dirs, run_cli, run_parallel, run_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not has_hvd_support and not os.environ.get("CI"),
@@ -78,7 +78,7 @@ def test_a_raising_horovod_worker_is_named(tmp_path):  # a launch of its own: th
     assert (failure["rank"], failure["error"]) == (1, "ValueError: boom on rank 1")
 
 
-QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", NO_PLAN]
+QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", NO_PLAN, NO_MODEL]
 
 
 def test_the_cli_trains_under_horovod_and_logs_it(tmp_path):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
+from tests.helpers.spawn import NO_MODEL, NO_PLAN, job_dirs, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -22,7 +22,7 @@ def client_and_run(db):
 
 def test_failed_launches_leave_the_run_they_meant_to_continue_as_it_was(tmp_path):
     db = tmp_path / "mlflow.db"
-    tracking = [f"tracking.uri=sqlite:///{db}"]
+    tracking = [f"tracking.uri=sqlite:///{db}", NO_MODEL]
     first = run_cli("wrap=ddp", *BASE, *tracking, cwd=tmp_path / "first")
     assert first.returncode == 0, first.stderr[-3000:]
     [job] = job_dirs(tmp_path / "first")
@@ -47,7 +47,7 @@ def test_failed_launches_leave_the_run_they_meant_to_continue_as_it_was(tmp_path
 
 def test_a_resume_into_another_wrap_and_world_size_is_visible_in_the_run(tmp_path):
     db = tmp_path / "mlflow.db"
-    tracking = [f"tracking.uri=sqlite:///{db}"]
+    tracking = [f"tracking.uri=sqlite:///{db}", NO_MODEL]
     stopped = run_cli("wrap=ddp", *BASE, "trainer.stop_at_step=10", *tracking, cwd=tmp_path / "stopped")
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     [job] = job_dirs(tmp_path / "stopped")

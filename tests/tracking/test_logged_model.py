@@ -66,7 +66,7 @@ def ddp_and_fsdp2(mlflow_server, tmp_path_factory, experiment):
     """Two launches of 2 ranks; the ddp one also logs a model at its periodic checkpoint of step 6."""
     every = {"ddp": ["checkpoint.every_n_steps=6", "tracking.model.every_checkpoint=true"], "fsdp2": []}
     return {wrap: launched(tmp_path_factory.mktemp(wrap), f"wrap={wrap}", "checkpoint.save_last=true", *every[wrap],
-                           *tracked(mlflow_server, experiment))
+                           *tracked(mlflow_server, experiment, model=True))
             for wrap in ("ddp", "fsdp2")}
 
 
@@ -124,7 +124,7 @@ def test_every_checkpoint_logs_the_model_of_each_periodic_checkpoint(mlflow_serv
 def test_a_model_above_max_copy_mb_refers_to_its_checkpoint(mlflow_server, tmp_path):
     experiment = f"external-{uuid.uuid4().hex[:6]}"
     # No checkpoint.save_last: the checkpoint the LoggedModel refers to is written for it.
-    job, run_id = launched(tmp_path, "wrap=fsdp2", "tracking.model.max_copy_mb=0", *tracked(mlflow_server, experiment))
+    job, run_id = launched(tmp_path, "wrap=fsdp2", "tracking.model.max_copy_mb=0", *tracked(mlflow_server, experiment, model=True))
     [model] = models_of(mlflow_server, experiment)
     checkpoint = step_dir(job / "checkpoints", STEPS)
     assert model.source_run_id == run_id and model_steps(mlflow_server, run_id) == {model.model_id: STEPS}
@@ -140,7 +140,7 @@ def test_a_model_above_max_copy_mb_refers_to_its_checkpoint(mlflow_server, tmp_p
 def test_tracking_model_enabled_false_logs_none(mlflow_server, tmp_path):
     experiment = f"nomodel-{uuid.uuid4().hex[:6]}"
     job, run_id = launched(tmp_path, "backend=none", "launcher.nproc_per_node=1", "tracking.model.enabled=false",
-                           *tracked(mlflow_server, experiment))
+                           *tracked(mlflow_server, experiment, model=True))
     assert models_of(mlflow_server, experiment) == [] and model_steps(mlflow_server, run_id) == {}
     assert not (job / "model").exists()
 

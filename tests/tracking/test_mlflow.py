@@ -18,7 +18,7 @@ from hydraddp.distributed.env import free_port
 from hydraddp.redaction import REDACTED
 from hydraddp.tracking import names
 from tests.helpers.mlflow_server import MlflowServer
-from tests.helpers.spawn import NO_PLAN, assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
+from tests.helpers.spawn import NO_MODEL, NO_PLAN, assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -26,8 +26,9 @@ QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
 TAGS = ("hydraddp.backend", "hydraddp.wrap", "hydraddp.precision", "hydraddp.offload", "hydraddp.world_size")
 
 
-def tracked(server, experiment):
-    return [f"tracking.uri={server.uri}", f"tracking.experiment={experiment}"]
+def tracked(server, experiment, *, model=False):
+    """Into ``experiment`` on the test server; the trained model only where it is checked (``NO_MODEL``)."""
+    return [f"tracking.uri={server.uri}", f"tracking.experiment={experiment}", *([] if model else [NO_MODEL])]
 
 
 def runs_of(server, experiment):
@@ -44,7 +45,7 @@ def loss_steps(client, run_id):
 def ddp_and_fsdp2(mlflow_server, tmp_path_factory):
     experiment = f"shards-{uuid.uuid4().hex[:6]}"
     for wrap in ("ddp", "fsdp2"):
-        done = run_cli(f"wrap={wrap}", *QUICK, *tracked(mlflow_server, experiment),
+        done = run_cli(f"wrap={wrap}", *QUICK, *tracked(mlflow_server, experiment, model=True),
                        cwd=tmp_path_factory.mktemp(wrap))
         assert done.returncode == 0, done.stderr[-3000:]
     runs = {r.data.tags["hydraddp.wrap"]: r for r in runs_of(mlflow_server, experiment)}

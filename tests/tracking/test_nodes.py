@@ -41,6 +41,8 @@ def two_node_run(mlflow_server, tmp_path_factory):
                             "data.batch_size=64", *QUICK, NO_PLAN, *tracked(mlflow_server, experiment)],
                            root / f"node{node}") for node in (0, 1)], timeout=300)
     assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-3000:] for n in nodes]
+    # Node 1's process found the run (a launch that ended within one poll of its node file once lost it).
+    assert "hydraddp: node 1:" not in nodes[1].stderr, nodes[1].stderr[-3000:]
     [run] = runs_of(mlflow_server, experiment)
     return run, commit.strip()
 

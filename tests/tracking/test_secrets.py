@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.spawn import job_dirs, run_cli
+from tests.helpers.spawn import NO_MODEL, job_dirs, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -23,7 +23,7 @@ def test_secrets_are_nowhere_in_mlflow_nor_in_checkpoints(mlflow_server, tmp_pat
     experiment = f"secrets-{uuid.uuid4().hex[:6]}"
     typed, from_env, swept, listed, in_uri = (f"{kind}-{uuid.uuid4().hex}"
                                               for kind in ("typed", "env", "swept", "listed", "uri"))
-    tracked = [f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={experiment}"]
+    tracked = [f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={experiment}", NO_MODEL]
     single = run_cli(f"+trainer.secrets.db={typed}", "+trainer.note=${oc.env:HYDRADDP_TEST_SECRET}",
                      f"+trainer.hooks=[{{name: notify, api_key: {listed}}}]",  # a secret inside a list
                      f'+trainer.results_db="postgresql://me:{in_uri}@db:5432/results"',  # a password in a URI

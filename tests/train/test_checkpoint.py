@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.spawn import (NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli, run_process,
-                                 sigkill_rank_when_logged)
+from tests.helpers.spawn import (NO_MODEL, NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli,
+                                 run_process, sigkill_rank_when_logged)
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -59,7 +59,7 @@ def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap, da
     worker's RNGs, so the noise drawn in workers is drawn again as the uninterrupted run drew it (torch seeds a worker
     once, at the epoch's start: it once drew the epoch's first noise again), and a stream dealt over ranks and
     workers skips what it gave. With the digits, 30 steps cross an epoch (23 steps) after the resume at 10."""
-    mlflow = [f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    mlflow = [f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", NO_MODEL]
     common = [f"wrap={wrap}", *BASE, "trainer.max_steps=30", *DATA[data]]
     full = run_cli(*common, "checkpoint.save_last=true", UNTRACKED, cwd=tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
