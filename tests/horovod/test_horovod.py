@@ -19,6 +19,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 CASES = [(None, "fp32", "sgd")]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def horovod_pool(pools):
+    """The Horovod pool lives for this file only: Horovod's background loop keeps about a core busy while its workers
+    wait (11 CPU-s in 10 idle seconds here), which the rest of the suite would pay for."""
+    yield
+    pools(backend="horovod").close()
+
+
 @pytest.fixture(scope="module")
 def parity(pools):
     # One Horovod pool serves every check body here (torch's MultiProcContinuousTest pattern): it absorbed the
