@@ -1,6 +1,5 @@
 """python -m hydraddp.compare EXPERIMENT_OR_PARENT_RUN: a table of runs and PNG plots (see hydraddp.tracking.compare)."""
 
-
 from hydraddp.tracking.compare import main
 
 if __name__ == "__main__":
