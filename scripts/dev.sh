@@ -23,9 +23,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)-${command}"
 if [ ! -f "$stamp" ]; then
-  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+  # --no-compile: pip would write bytecode for every module of torch, transformers and mlflow (about 65 s here);
+  # Python writes it for what is imported, the first time it is.
+  "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
   # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
-  "$VENV/bin/python" -m pip install -q -e ".${extras}" "$TORCH_SPEC"
+  "$VENV/bin/python" -m pip install -q --no-compile -e ".${extras}" "$TORCH_SPEC"
   touch "$stamp"
 fi
 
@@ -62,12 +64,13 @@ case "$command" in
       vision_tests > "$vision_log" 2>&1 &
       vision_pid=$!
     fi
-    # pytest-xdist workers, a file each at a time (a file's launches share its module fixtures); the 25 slowest
-    # tests are printed. One worker by default: with two on 2 cores, the two-node test whose ranks all refuse a
-    # node-local checkpoint.dir failed twice (its agents did not all exit), so HYDRADDP_TEST_WORKERS=2 waits for that.
+    # Two pytest-xdist workers (this machine's cores), a file each at a time (a file's launches share its module
+    # fixtures), the longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order); the 25
+    # slowest tests are printed. HYDRADDP_TEST_WORKERS=1 runs one file at a time.
     main_log=$(mktemp)
     set +e
-    "$VENV/bin/python" -m pytest -n "${HYDRADDP_TEST_WORKERS:-1}" --dist loadfile --durations=25 "$@" 2>&1 \
+    "$VENV/bin/python" -m pytest -n "${HYDRADDP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+      --durations=25 "$@" 2>&1 \
       | tee "$main_log"
     status=${PIPESTATUS[0]}
     set -e

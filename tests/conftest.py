@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.helpers import durations
 from tests.helpers.mlflow_server import MlflowServer
 from tests.helpers.pool import Pools
 
@@ -22,7 +23,9 @@ def mlflow_server(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that launch go first: under pytest-xdist's ``loadfile`` the long files then start early, and the many
-    quick ones fill the workers' time at the end instead of a long file starting last (a stable sort: each file's
-    own order is kept)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest files first (their seconds in ``tests/durations.json``; see tests/helpers/durations.py), then the
+    other files that launch: under pytest-xdist's ``loadfile`` (run with ``--no-loadscope-reorder``, which keeps this
+    order) a long file starting last would leave the other worker idle, while the many quick files fill both workers'
+    time at the end. A stable sort: each file's own order is kept."""
+    seconds = durations.load()
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0), item.get_closest_marker("slow") is None))
