@@ -23,11 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)-${command}"
 if [ ! -f "$stamp" ]; then
-  # --no-compile: pip would write bytecode for every module of torch, transformers and mlflow (about 65 s here);
-  # Python writes it for what is imported, the first time it is.
-  "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
+  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
   # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
-  "$VENV/bin/python" -m pip install -q --no-compile -e ".${extras}" "$TORCH_SPEC"
+  "$VENV/bin/python" -m pip install -q -e ".${extras}" "$TORCH_SPEC"
   touch "$stamp"
 fi
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -45,6 +45,7 @@ class _Entry:
     init_kwargs: dict[str, Any]
     failure_dir: str | None = None
     forked: bool = False
+    env: dict[str, str | None] = field(default_factory=dict)  # set (None: unset) in the worker before it starts
 
     def __call__(self) -> Any:
         if self.forked:
@@ -52,6 +53,11 @@ class _Entry:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
                 signal.signal(sig, signal.SIG_DFL)
+        for key, value in self.env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():
             torch.set_num_threads(int(threads))  # the env var alone can arrive after torch set its pool up
@@ -263,13 +269,21 @@ def launch(
         shutil.rmtree(failure_dir, ignore_errors=True)
 
 
+# horovod.run (0.28.1) sets these to "(None,)" in every worker, from a stray comma in its _HorovodArgs, over any value
+# the user gave. Horovod then reads a cycle time of 0 ms and a response cache of 0 entries: its background loop spins,
+# about half a core per rank while the rank waits (strace: ~3,700 gloo messages a second between two idle ranks).
+HOROVOD_RUN_MISSETS = ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")
+
+
 def launch_horovod(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], nproc_per_node: int,
                    hosts: str | None = None, **init_kwargs: Any) -> dict[int, Any]:
     """Spawn through Horovod's own runner (gloo controller), as horovodrun would."""
     import horovod
 
     failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
-    entry = _Entry(HOROVOD, fn, args, kwargs, init_kwargs, failure_dir)
+    # The launcher's own values (or none: Horovod's defaults) replace what horovod.run sets there.
+    entry = _Entry(HOROVOD, fn, args, kwargs, init_kwargs, failure_dir,
+                   env={key: os.environ.get(key) for key in HOROVOD_RUN_MISSETS})
     try:
         with _worker_env(_one_thread_per_rank(nproc_per_node)):
             results = horovod.run(entry, np=nproc_per_node, hosts=hosts, use_gloo=True)

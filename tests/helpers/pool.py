@@ -28,6 +28,9 @@ from typing import Any
 from tests.helpers.spawn import REPO, assert_no_orphans, child_env
 
 AUTHKEY_VAR = "HYDRADDP_POOL_AUTHKEY"
+# Horovod's background loop negotiates every cycle (1 ms by default), waiting ranks too: about a third of a core per
+# rank while a pool sits between bodies. Its bodies are a few collectives each, for which 5 ms cycles cost nothing.
+IDLE_HOROVOD = {"HOROVOD_CYCLE_TIME": "5"}
 _STOP = b""
 
 
@@ -48,7 +51,7 @@ class ProcessGroupPool:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = listener.address
         self.token = uuid.uuid4().hex
-        env = child_env(self.token, {AUTHKEY_VAR: authkey.hex()})
+        env = child_env(self.token, {AUTHKEY_VAR: authkey.hex(), **(IDLE_HOROVOD if self.backend == "horovod" else {})})
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.pool", host, str(port),
                                           str(self.backend or "none"), str(self.nproc)],

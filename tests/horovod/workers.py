@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import hydraddp.distributed as idist
+from hydraddp.distributed.elastic import HOROVOD_RUN_MISSETS
 from tests.distributed.workers import full_params
 
 
@@ -43,3 +46,8 @@ def collectives(local_rank: int) -> dict:
             "safe": idist.broadcast("only0" if rank == 0 else None, src=0, safe_mode=True),
             "max": idist.all_reduce(torch.tensor([float(rank)]), "MAX").tolist(),
             "nproc": idist.get_nproc_per_node()}
+
+
+def horovod_settings(local_rank: int) -> dict:
+    """The Horovod settings that horovod.run sets in its workers, as this worker sees them."""
+    return {key: os.environ.get(key) for key in HOROVOD_RUN_MISSETS}
