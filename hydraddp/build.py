@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -10,10 +11,12 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.config.instantiate import instantiate, model_kwargs
+from hydraddp.distributed import meta_init, simulated
 from hydraddp.distributed.policies import declared_blocks
 from hydraddp.distributed.report import WrapReport
 
 POLICY_KEYS = ("auto_wrap_policy", "block_classes", "min_num_params")
+log = logging.getLogger(__name__)
 
 
 def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
@@ -31,10 +34,33 @@ def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
     return kwargs
 
 
+SHARDING_WRAPS = ("fsdp", "fsdp2")
+
+
 def instantiate_model(cfg: DictConfig) -> nn.Module:
-    """``cfg.model``, built under ``trainer.seed`` (the weights every rank starts from are rank 0's anyway)."""
+    """``cfg.model``, built under ``trainer.seed`` (every rank builds the same weights; the wrappers broadcast rank 0's
+    anyway).
+
+    ``model.init_device``: ``meta`` builds it on the meta device, and ``auto_model`` fills each rank's shards after
+    sharding, module by module, with the values the whole build has (``meta_init``); ``cpu`` builds it whole; ``auto``
+    is ``meta`` under fsdp and fsdp2 and ``cpu`` otherwise, and a model whose initialization cannot be replayed is then
+    built whole, with a warning saying why (under ``meta`` that is an error).
+    """
     torch.manual_seed(cfg.trainer.seed)
-    return instantiate(model_kwargs(cfg.model), "model")
+    node = model_kwargs(cfg.model)
+    factory = lambda: instantiate(node, "model")  # noqa: E731
+    init_device = cfg.model.get("init_device", "auto")
+    if init_device == "cpu" or (init_device == "auto" and cfg.wrap.name not in SHARDING_WRAPS) or simulated.active():
+        return factory()  # a plan's fake tensors stand for a whole build
+    start = torch.get_rng_state()
+    try:
+        return meta_init.build_on_meta(factory)[0]
+    except meta_init.NotReplayable as exc:
+        if init_device == "meta":
+            raise ValueError(f"model.init_device=meta: {exc}. Set model.init_device=cpu to build it whole.") from None
+        log.warning("model.init_device=auto: building the model whole on every rank: %s", exc)
+        torch.set_rng_state(start)
+        return factory()
 
 
 def wrap_model(cfg: DictConfig, model: nn.Module) -> tuple[nn.Module, WrapReport]:

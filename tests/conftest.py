@@ -1,5 +1,8 @@
 """Session-wide fixtures: the reused process groups (tests/helpers/pool.py) and one real ``mlflow server``."""
 
+import os
+import sys
+
 import pytest
 
 from tests.helpers import durations
@@ -20,6 +23,22 @@ def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_global_tracking_uri_restored():
+    """``mlflow.set_tracking_uri`` (which some tests call, as the flavors' own calls read it) sets a process global and
+    ``MLFLOW_TRACKING_URI`` in ``os.environ``, which every later launch from this pytest worker would inherit: under
+    xdist the next file in the worker then searched another server's runs. Each test starts without it."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    tracking = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if tracking is not None and tracking._tracking_uri is not None:
+        tracking.set_tracking_uri(None)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 def pytest_collection_modifyitems(config, items):

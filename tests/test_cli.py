@@ -55,6 +55,8 @@ def test_two_process_training_leaves_one_job_directory(sweep, wrap, precision):
     assert result["final_loss"] < 2.3  # log(10) = 2.30 is where an untrained classifier starts
     assert f"12 steps at world size 2: loss {result['final_loss']:.4f}" in done.stdout
     assert len(result["reports"]) == 2 and result["reports"][0]["wrapper"] == wrap
+    # model.init_device=auto: built on the meta device and filled after sharding under the FSDPs, whole otherwise.
+    assert [r["init_device"] for r in result["reports"]] == ["meta" if wrap in ("fsdp", "fsdp2") else "cpu"] * 2
     # Throughput is the global batch over the step time (of the last logging window), not any positive number.
     batch = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["data"]["batch_size"]
     assert result["samples_per_s"] == pytest.approx(batch / result["step_time_s"], rel=1e-6)

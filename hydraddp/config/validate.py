@@ -13,6 +13,8 @@ from hydraddp.distributed.env import detect_launch_env
 from hydraddp.distributed.machine import combination, cuda_device_count
 from hydraddp.tracking import names
 
+INIT_DEVICES = ("auto", "meta", "cpu")  # model.init_device (hydraddp.build.instantiate_model)
+
 # Where each rule's keys live in the config, so messages name what the user types.
 CONFIG_NAMES = {
     "backend": "backend",
@@ -86,6 +88,12 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
         found.append(Problem(("tracking.run_name",), f"{unnamed}.",
                              f"Use only {', '.join('{' + f + '}' for f in names.RUN_NAME_FIELDS)} (and any text), "
                              "e.g. tracking.run_name='{experiment}-{wrap}-{precision}-w{world}-{id}'."))
+    init_device = cfg.model.get("init_device", "auto")
+    if init_device not in INIT_DEVICES:
+        found.append(Problem(("model.init_device",), f"model.init_device={init_device} is not one of "
+                             f"{', '.join(INIT_DEVICES)}.",
+                             "Set model.init_device=auto (meta under fsdp/fsdp2), meta or cpu (the whole model on "
+                             "every rank)."))
     scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
     if scaler_keys and cfg.precision.name != "fp16":
         found.append(Problem(

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import machine, policies, utils, wrappers
+from hydraddp.distributed import machine, meta_init, policies, utils, wrappers
 from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
@@ -111,6 +111,12 @@ def auto_model(
     spec = precision_spec(precision)
     device = utils.device()
 
+    # A model built on the meta device (meta_init.build_on_meta) is materialized after sharding under the FSDPs,
+    # and whole, here, under every other wrap.
+    replay = meta_init.replay_of(model)
+    init_device = "meta" if replay is not None else str(next(model.parameters(), torch.empty(0)).device.type)
+    if replay is not None and realized not in ("fsdp", "fsdp2"):
+        replay.materialize(model, device)
     # FSDP moves each unit to the device as it shards it (and keeps it on the CPU under offload), so only
     # the other wraps need the whole model moved first.
     if realized not in ("fsdp", "fsdp2") and not all(p.device == device for p in model.parameters()):
@@ -141,7 +147,8 @@ def auto_model(
             model = wrappers.wrap_fsdp2(model, device, utils.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
-    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed), tuple(compiled))
+    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed), tuple(compiled),
+                                       init_device)
     return model
 
 

@@ -25,6 +25,7 @@ class WrapRecord:
     total_numel: int
     checkpointed: tuple[str, ...] = ()  # blocks under activation checkpointing
     compiled: tuple[str, ...] = ()  # modules under torch.compile (ROOT: the whole model)
+    init_device: str = "cpu"  # where the model was built: "meta" (meta_init: sharded first, then filled) or a device
 
 
 @dataclass
@@ -53,6 +54,7 @@ class WrapReport:
     optim_state_bytes: int
     checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are recomputed in backward
     compiled: list[str] = field(default_factory=list)  # modules under torch.compile ("<root>": the whole model)
+    init_device: str = "cpu"  # "meta": built on the meta device and filled after sharding (meta_init)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,4 +152,5 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         optim_state_bytes=_optimizer_state_bytes(optimizer),
         checkpointed=list(record.checkpointed) if record is not None else [],
         compiled=list(record.compiled) if record is not None else [],
+        init_device=record.init_device if record is not None else "cpu",
     )

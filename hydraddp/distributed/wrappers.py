@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hydraddp.distributed import meta_init
 from hydraddp.distributed.policies import plan_units, resolve_policy
 from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
 
@@ -90,6 +91,9 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
         import torch.distributed as dist
 
         broadcast_module_states(model, kwargs.get("process_group") or dist.group.WORLD, device)
+    replay = meta_init.replay_of(model)
+    if replay is not None:  # built on the meta device: FSDP1 asks for each module's values as it wraps its unit
+        kwargs.setdefault("param_init_fn", lambda module: replay.materialize_module(module, device))
     if offload:
         kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))
     if kwargs.get("mixed_precision") is None:
@@ -125,6 +129,7 @@ def wrap_fsdp2(
         return isinstance(module, FSDPModule)
 
     before = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
+    replay = meta_init.replay_of(model)
     broadcast_module_states(model, mesh.get_group(), device)
     if spec.is_mixed and user_mp is None:
         # BatchNorm in reduced precision drifts; the known fix is its own unit computing in fp32 (inputs cast
@@ -139,6 +144,11 @@ def wrap_fsdp2(
             fully_shard(module, mp_policy=unit_mp, **common)
     if not is_sharded(model):
         fully_shard(model, mp_policy=root_mp, **common)
+    if replay is not None:
+        # Built on the meta device: each rank now allocates its shards only, then fills them module by module
+        # (one module's full tensors at a time; every rank draws the same values, so nothing is sent).
+        model.to_empty(device="cpu" if offload else device)
+        replay.materialize(model, device)
     _remember_replaced(before, model)
     return model
 

@@ -14,6 +14,7 @@ CASES = [
     (["backend=horovod", "wrap=fsdp2"], ["wrap=fsdp2 cannot run under backend=horovod"]),
     (["backend=none"], ["backend=none runs one process", "launcher.nproc_per_node=2", "launcher.nproc_per_node=1"]),
     (["model.sync_bn=true", "wrap=fsdp2"], ["sync_bn=true needs GPUs", "model.sync_bn=false"]),
+    (["model.init_device=gpu"], ["model.init_device=gpu is not one of auto, meta, cpu", "model.init_device=auto"]),
     (["data.batch_size=63"], ["data.batch_size=63 is the global batch", "(63 / 2 = 31.5)", "data.batch_size=64"]),
     (["precision=bf16-true", "precision.init_scale=1024"], ["precision=bf16-true uses no grad scaler",
                                                             "precision.init_scale=1024.0"]),
