@@ -65,7 +65,8 @@ class InitReplay:
             return
         saved = torch.get_rng_state()
         try:
-            with _temporarily_full(module, device, self.dtypes) as full:
+            # On the CPU, whatever the device: the whole build drew from the CPU generator, whose states are recorded.
+            with _temporarily_full(module, self.dtypes) as full:
                 for step in self.steps.get(id(module), []):
                     torch.set_rng_state(step.rng_state)
                     step.run(module)
@@ -86,16 +87,16 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _temporarily_full(module: nn.Module, device: torch.device | str,
+def _temporarily_full(module: nn.Module,
                       dtypes: dict[tuple[int, str], torch.dtype] | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """``module``'s own tensors replaced, for the block, by full-size ones filled with NaN (an integer buffer: its
+    """``module``'s own tensors replaced, for the block, by full-size CPU ones filled with NaN (an integer buffer: its
     type's minimum), so that a step that leaves one unwritten shows it; yields them by name."""
     saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
     full: dict[str, torch.Tensor] = {}
     for name, tensor in _own_tensors(module).items():
         shape, dtype = tensor.shape, (dtypes or {}).get((id(module), name), tensor.dtype)
         fill = float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
-        value = torch.full(shape, fill, dtype=dtype, device=device)
+        value = torch.full(shape, fill, dtype=dtype)
         full[name] = value
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
@@ -118,11 +119,12 @@ def _store(module: nn.Module, name: str, target: torch.Tensor, value: torch.Tens
     with torch.no_grad():
         if isinstance(target, DTensor):
             # src_data_rank=None: every rank computed the same full value, so each keeps its part without sending.
-            local = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
             target_local = target._local_tensor
             if target_local.is_meta:
                 raise NotReplayable(f"{type(module).__name__}.{name}: its shard has no storage yet; call "
                                     "model.to_empty(device=...) before materializing a sharded model")
+            local = distribute_tensor(value.to(target_local.device), target.device_mesh, target.placements,
+                                      src_data_rank=None).to_local()
             target_local.copy_(local)  # in the shard's dtype
         elif name in module._parameters:
             module._parameters[name] = nn.Parameter(value.to(device, target.dtype), requires_grad=target.requires_grad)
@@ -270,7 +272,7 @@ def replay_of(model: nn.Module) -> InitReplay | None:
     return replay if replay is not None and any(t.is_meta for t in (*model.parameters(), *model.buffers())) else None
 
 
-def build_on_meta(factory: Callable[[], nn.Module], device: torch.device | str = "cpu") -> tuple[nn.Module, InitReplay]:
+def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitReplay]:
     """``factory()`` built on the meta device, and the replay that initializes it as ``factory()`` would have, from the
     generator's state now (seed it first, as for a whole build). Leaves the generator where a whole build would.
     The replay is also attached to the model: ``auto_model`` materializes it after sharding (``replay_of``).
@@ -289,7 +291,7 @@ def build_on_meta(factory: Callable[[], nn.Module], device: torch.device | str =
     for module, run in planned:
         state = torch.get_rng_state()
         watch = _NoMetaOperands()
-        with _temporarily_full(module, device) as full, watch:
+        with _temporarily_full(module) as full, watch:
             run(module)
         if watch.touched_meta:
             raise NotReplayable(f"{type(module).__name__}'s initialization writes tensors of other modules")

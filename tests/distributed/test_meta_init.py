@@ -106,7 +106,7 @@ def sharded_from_meta(local_rank: int, name: str, wraps: list[str]) -> dict:
         got = full_params(wrapped)
         report = idist.wrap_report(wrapped)
         out[wrap] = {"wrapper": report.wrapper, "init_device": report.init_device, "keys_match": set(expected) == set(got),
-                     "differ": sorted(k for k in expected if k in got and not torch.equal(expected[k], got[k]))}
+                     "differ": sorted(k for k in expected if k in got and not torch.equal(expected[k], got[k].cpu()))}
     return out
 
 

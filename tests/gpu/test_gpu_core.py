@@ -191,3 +191,14 @@ def test_sync_bn_under_fsdp2_bf16_is_its_own_unit_and_trains(tmp_path):
         assert out["running_mean"].dtype == torch.float32  # kept in fp32, as FSDP2 keeps that unit
         assert finite(out["losses"])
     assert torch.allclose(runs[0]["running_mean"], runs[1]["running_mean"], atol=1e-6)
+
+
+@pytest.mark.parametrize("nproc", ONE_AND_TWO_GPUS)
+def test_built_on_meta_and_sharded_on_gpus_the_full_parameters_are_the_cpu_whole_builds(nproc, tmp_path):
+    """model.init_device=meta under nccl: the replay draws on the CPU (the generator the whole build drew from) and
+    each GPU keeps its slice."""
+    out = run_parallel("tests.distributed.test_meta_init:sharded_from_meta", "gpt", ["fsdp2", "fsdp"], backend="nccl",
+                       nproc=nproc, tmp_path=tmp_path, timeout=240)
+    for rank in range(nproc):
+        for wrap, seen in out[rank].items():
+            assert seen == {"wrapper": wrap, "init_device": "meta", "keys_match": True, "differ": []}, (rank, wrap)
