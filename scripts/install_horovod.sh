@@ -56,7 +56,7 @@ if [ -z "$wheel" ]; then
 else
   echo "Using cached wheel $wheel"
 fi
-"$PYTHON" -m pip install -q --no-compile --force-reinstall --no-deps "$wheel" || die "installing $wheel failed"
+"$PYTHON" -m pip install -q --force-reinstall --no-deps "$wheel" || die "installing $wheel failed"
 
 # horovodrun must report both the PyTorch framework and the Gloo controller as built.
 check=$(horovodrun --check-build) || die "horovodrun --check-build failed"
