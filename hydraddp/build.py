@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from hydraddp.config.instantiate import instantiate, model_kwargs
 from hydraddp.distributed import meta_init, simulated
 from hydraddp.distributed.policies import declared_blocks
 from hydraddp.distributed.report import WrapReport
+from hydraddp.train.pretrained import HF_CONFIG
 
 POLICY_KEYS = ("auto_wrap_policy", "block_classes", "min_num_params")
 log = logging.getLogger(__name__)
@@ -37,6 +40,16 @@ def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
 SHARDING_WRAPS = ("fsdp", "fsdp2")
 
 
+def model_factory(model_node: DictConfig) -> Callable[[], nn.Module]:
+    """What builds ``model_node``'s model: its ``_target_`` with its arguments. A pretrained Hugging Face directory
+    gives the architecture (``config.json``) too; its weights are loaded after wrapping (``train.pretrained``)."""
+    node = model_kwargs(model_node)
+    pretrained = model_node.get("pretrained")
+    if pretrained and Path(pretrained, HF_CONFIG).is_file():
+        node.config_dir = str(pretrained)
+    return lambda: instantiate(node, "model")
+
+
 def instantiate_model(cfg: DictConfig) -> nn.Module:
     """``cfg.model``, built under ``trainer.seed`` (every rank builds the same weights; the wrappers broadcast rank 0's
     anyway).
@@ -47,8 +60,7 @@ def instantiate_model(cfg: DictConfig) -> nn.Module:
     built whole, with a warning saying why (under ``meta`` that is an error).
     """
     torch.manual_seed(cfg.trainer.seed)
-    node = model_kwargs(cfg.model)
-    factory = lambda: instantiate(node, "model")  # noqa: E731
+    factory = model_factory(cfg.model)
     init_device = cfg.model.get("init_device", "auto")
     if init_device == "cpu" or (init_device == "auto" and cfg.wrap.name not in SHARDING_WRAPS) or simulated.active():
         return factory()  # a plan's fake tensors stand for a whole build

@@ -82,6 +82,47 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dic
     return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
+def _model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+    """What only building the model can tell, on the meta device (no memory, no process group), and only when asked:
+    ``model.pretrained`` fits the model (a Hugging Face directory also sets its sizes, in place), and under
+    ``model.init_device=meta`` the model's initialization can be replayed after sharding."""
+    pretrained, meta = cfg.model.get("pretrained"), cfg.model.get("init_device") == "meta"
+    if not pretrained and not meta:
+        return []  # the usual case: no torch import before the tracker starts
+    from hydraddp.build import model_factory
+    from hydraddp.distributed import meta_init
+    from hydraddp.train import pretrained as weights
+
+    try:
+        source = weights.kind(pretrained) if pretrained else None
+        if source is not None:
+            cfg.model.pretrained = pretrained = str(Path(pretrained).resolve())  # the workers' and the run's path
+        if source == "hf":
+            if cfg.model.get("_target_") != weights.HF_TARGET:
+                raise weights.PretrainedError(
+                    f"model.pretrained={pretrained} is a Hugging Face model directory, which only a transformers "
+                    f"model loads (model=hf_causal_lm); model._target_ is {cfg.model.get('_target_')}.")
+            weights.from_hf_config(cfg.model, Path(pretrained), weights.typed_model_keys(overrides))
+        if meta:
+            model, _ = meta_init.build_on_meta(model_factory(cfg.model))
+        elif source is not None:
+            import torch
+
+            with torch.device("meta"):
+                model = model_factory(cfg.model)()
+        if source is not None:
+            wrong = weights.mismatch(Path(pretrained), source, model)
+            if wrong:
+                raise weights.PretrainedError(f"model.pretrained={pretrained} does not fit this model: {wrong}. "
+                                              "Start from weights of the same architecture and sizes.")
+    except weights.PretrainedError as exc:
+        return [Problem(("model.pretrained",), str(exc), "")]
+    except meta_init.NotReplayable as exc:
+        return [Problem(("model.init_device",), f"model.init_device=meta: {exc}.",
+                        "Set model.init_device=cpu (built whole on every rank) or auto (whole, with a warning).")]
+    return []
+
+
 def _collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None) -> list[Problem]:
     """Refuse a launch that would write its checkpoints over another launch's: a new launch into a reused
     ``checkpoint.dir``, or a resume from step 200 where another launch's step 300 exists."""
@@ -178,6 +219,8 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     # checks the checkpoint, and its workers pass the path to every rank (``launch.worker``).
     resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found and leads else ([], None)
     found += resume_problems
+    if not found:  # on every process: a pretrained config sets the model's sizes, which each rank composes alone
+        found += _model_problems(cfg, overrides)
     tracks = bool(cfg.tracking.enabled) and leads
     if tracks and not found:
         found += _tracking_problems(cfg)

@@ -86,17 +86,44 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
             **{n: b for n, b in module._buffers.items() if b is not None}}
 
 
+class _Scratch:
+    """One CPU buffer that the dry run's temporary tensors are views of, module after module. Thousands of
+    short-lived module-sized tensors, freed between the small allocations the dry run keeps (the generator states),
+    leave glibc's heap fragmented: measured, up to 0.9 GB of a 1.6 GB model stayed resident on a rank after they
+    were all freed."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.used = 0
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        nbytes = shape.numel() * dtype.itemsize
+        self.used = start + nbytes
+        return self.buffer[start:self.used].view(dtype).view(shape)
+
+    @classmethod
+    def nbytes_for(cls, module: nn.Module, dtypes: dict[tuple[int, str], torch.dtype]) -> int:
+        return sum(t.numel() * dtypes.get((id(module), n), t.dtype).itemsize + cls.ALIGN
+                   for n, t in _own_tensors(module).items())
+
+
 @contextlib.contextmanager
-def _temporarily_full(module: nn.Module,
-                      dtypes: dict[tuple[int, str], torch.dtype] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def _temporarily_full(module: nn.Module, dtypes: dict[tuple[int, str], torch.dtype] | None = None,
+                      scratch: _Scratch | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """``module``'s own tensors replaced, for the block, by full-size CPU ones filled with NaN (an integer buffer: its
-    type's minimum), so that a step that leaves one unwritten shows it; yields them by name."""
+    type's minimum), so that a step that leaves one unwritten shows it; yields them by name. With ``scratch``, they are
+    views of its buffer, valid until the next module's."""
     saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
     full: dict[str, torch.Tensor] = {}
+    if scratch is not None:
+        scratch.used = 0
     for name, tensor in _own_tensors(module).items():
         shape, dtype = tensor.shape, (dtypes or {}).get((id(module), name), tensor.dtype)
         fill = float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
-        value = torch.full(shape, fill, dtype=dtype)
+        value = torch.full(shape, fill, dtype=dtype) if scratch is None else scratch.take(shape, dtype).fill_(fill)
         full[name] = value
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
@@ -287,17 +314,19 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitRepl
         raise NotReplayable(f"{' and '.join(names)} are one tensor (tied weights): they are initialized as one")
     replay = InitReplay(dtypes={(id(m), n): t.dtype for m in model.modules() for n, t in _own_tensors(m).items()})
     covered: dict[int, set[str]] = {}
+    scratch = _Scratch(max((_Scratch.nbytes_for(m, replay.dtypes) for m, _ in planned), default=0))
+    mask = torch.empty(1 << 20, dtype=torch.bool)
     torch.set_rng_state(start)
     for module, run in planned:
         state = torch.get_rng_state()
         watch = _NoMetaOperands()
-        with _temporarily_full(module) as full, watch:
+        with _temporarily_full(module, replay.dtypes, scratch) as full, watch:
             run(module)
         if watch.touched_meta:
             raise NotReplayable(f"{type(module).__name__}'s initialization writes tensors of other modules")
         replay.steps.setdefault(id(module), []).append(_Step(run, state))
         done = covered.setdefault(id(module), set())
-        done.update(name for name, value in full.items() if not _unwritten(value).any())
+        done.update(name for name, value in full.items() if not _any_unwritten(value, mask))
     for module_name, module in model.named_modules():
         missing = sorted(set(_own_tensors(module)) - covered.get(id(module), set()))
         if missing:
@@ -308,7 +337,17 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitRepl
     return model, replay
 
 
-def _unwritten(value: torch.Tensor) -> torch.Tensor:
-    if value.dtype.is_floating_point or value.dtype.is_complex:
-        return torch.isnan(value)
-    return value == torch.iinfo(value.dtype).min
+def _any_unwritten(value: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether a temporary tensor still holds its fill somewhere, tested a chunk at a time into ``mask`` (a bool
+    tensor kept for the whole dry run): a fresh mask per tensor, freed between the generator states the dry run keeps,
+    fragments the heap as module-sized tensors do (see ``_Scratch``)."""
+    flat, chunk = value.reshape(-1), mask.numel()
+    floating = value.dtype.is_floating_point or value.dtype.is_complex
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk]
+        found = mask[:part.numel()]
+        # NaN is the one value unequal to itself
+        torch.ne(part, part, out=found) if floating else torch.eq(part, torch.iinfo(value.dtype).min, out=found)
+        if found.any():
+            return True
+    return False

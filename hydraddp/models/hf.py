@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -20,12 +21,23 @@ def _transformers() -> Any:
     return transformers
 
 
-def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **config: Any) -> nn.Module:
+def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", config_dir: str | None = None,
+              **config: Any) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` of ``architecture`` (a transformers ``model_type``: llama, gpt2, qwen2,
-    mistral, ...) with ``config`` as its config class's keywords (sizes, vocabulary)."""
+    mistral, ...) with ``config`` as its config class's keywords (sizes, vocabulary). With ``config_dir`` (a model
+    directory, ``model.pretrained``), its ``config.json`` with ``config`` on top: the architecture, not the weights
+    (``hydraddp.train.pretrained`` loads those into the shards)."""
     transformers = _transformers()
     try:
-        model_config = transformers.AutoConfig.for_model(architecture, **config)
+        model_config = (pretrained_config(config_dir, **config) if config_dir is not None
+                        else transformers.AutoConfig.for_model(architecture, **config))
     except ValueError as exc:
         raise ValueError(f"model.architecture={architecture!r}: {exc}") from None
-    return transformers.AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation)
+    # fp32 master weights whatever dtype a pretrained config.json names: precision= decides what computes in what.
+    return transformers.AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation,
+                                                         dtype=torch.float32)
+
+
+def pretrained_config(path: Any, **config: Any) -> Any:
+    """The transformers config of a model directory, read from its ``config.json`` alone (nothing downloaded)."""
+    return _transformers().AutoConfig.from_pretrained(str(path), local_files_only=True, **config)

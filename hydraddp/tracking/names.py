@@ -13,6 +13,7 @@ CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SI
 # On a resumed run: a JSON list, one entry per resume, of the checkpoint and step it resumed from and the
 # contract tags the run had until then (the tags themselves always say what the run runs with now).
 TAG_RESUMED_FROM = "hydraddp.resumed_from"
+TAG_PRETRAINED = "hydraddp.pretrained"  # model.pretrained: the weights the run started from (a path)
 TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes of the model and the task
 TAG_PREEMPTED = "hydraddp.preempted"  # JSON: the step, checkpoint and signal of the latest preemption
 TAG_REQUEUES = "hydraddp.requeued"  # how many preemptions this run was resumed from (submitit requeues, reruns)
@@ -101,6 +102,7 @@ def eval_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {f"eval/{name}": value for name, value in metrics.items()}
 SHARDING_FIELDS = ("param_numel", "param_bytes", "grad_bytes", "optim_state_bytes")
 PEAK_MEMORY = "memory/peak_bytes"
+BUILD_PEAK_MEMORY = "memory/build_peak_bytes"  # the same peak when training began: model built, wrapped and loaded
 PEAK_TENSOR = "memory/peak_tensor_bytes"  # torch's tensor accounting over the second step (what the plan predicts)
 PLAN_FILE = "plan.json"  # in the job directory and as an artifact: the launch's plan (hydraddp/plan/estimate.py)
 PLAN_PARAMS = ("wrap", "world_size", "rank", "param_bytes", "grad_bytes", "optim_state_bytes", "unsharded_unit_bytes",

@@ -26,7 +26,7 @@ from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, resume, rng, tasks
+from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, pretrained, resume, rng, tasks
 from hydraddp.train.logs import ConsoleHandler
 from hydraddp.train.metrics import StepLog, TensorPeak, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
@@ -50,6 +50,8 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # logged step -> loss averaged over ranks
     reports: list[dict[str, Any]] = field(default_factory=list)  # every rank's WrapReport after step 1
     peak_memory_bytes: list[int] = field(default_factory=list)  # per rank (see peak_memory_bytes)
+    # Per rank, the same peak when training began: the model built, wrapped and loaded, the loaders made.
+    build_peak_memory_bytes: list[int] = field(default_factory=list)
     # Per rank, over this launch's second step (plan.measure): the peak of tensor memory and its parts at that moment.
     tensor_peaks: list[dict[str, Any]] = field(default_factory=list)
     preempted: dict[str, Any] | None = None  # a signal stopped training: step, checkpoint, signal
@@ -162,6 +164,9 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     if idist.get_nnodes() > 1 and root is not None and resume.needs_shared_root(cfg):
         checkpoint.check_shared(root)  # before anything is loaded or saved: one checkpoint holds every rank's shards
     resumed = resume.resume(cfg, job_dir, model, optimizer, scheduler, scaler)
+    if resumed is None and cfg.model.get("pretrained"):  # a resume's checkpoint holds the weights to go on from
+        pretrained.load(cfg.model.pretrained, model)
+        log.info("weights loaded from %s", cfg.model.pretrained)
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
     return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
                   data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed),
@@ -170,16 +175,19 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
-                      events: EventWriter | None) -> None:
-    """Startup time, and every rank's WrapReport now that gradients and optimizer state exist (the real shard sizes)."""
+                      events: EventWriter | None, build_peak: int) -> None:
+    """Startup time, every rank's memory peak when training began, and every rank's WrapReport now that gradients and
+    optimizer state exist (the real shard sizes)."""
     result.first_step_at = time.time()
     launched_at = _launched_at()
     if events is not None and launched_at is not None:
         events.metrics({names.STARTUP_S: result.first_step_at - launched_at}, step)
     result.reports = [r.to_dict() for r in idist.wrap_report(parts.model, parts.optimizer).gather()]
+    result.build_peak_memory_bytes = [int(p) for p in idist.all_gather(build_peak)]
     if events is not None:  # not before: a run this launch continues stays as it was until its first step
         events.tag(names.TAG_MODEL_CLASS, parts.model_class)
-        events.metrics(names.sharding_metrics(result.reports), step)
+        events.metrics({**names.sharding_metrics(result.reports),
+                        **names.per_rank_metrics(names.BUILD_PEAK_MEMORY, result.build_peak_memory_bytes)}, step)
         if job_dir is not None:
             write_report(job_dir, result.reports)
 
@@ -226,6 +234,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         saved_config = redaction.redact(plain, redaction.secret_paths(plain))
     device, world, trainer = idist.device(), idist.get_world_size(), cfg.trainer
     parts = _build(cfg, job_dir)
+    build_peak = peak_memory_bytes(device)  # gathered after the first step, with the reports
     model, task = parts.model, parts.task
     # Described now, outside the timed steps; recorded after the first step, as the tags are (a continued run must
     # stay as it was until this launch has taken a step).
@@ -260,7 +269,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 parts.scheduler.step()
             throughput.count(step, tasks.batch_size(batch) * world)
             if step == start_step + 1:
-                _after_first_step(parts, result, step, job_dir, events)
+                _after_first_step(parts, result, step, job_dir, events, build_peak)
                 if events is not None:
                     inputs.record(events, datasets)
             stopping = stop.agreed()  # every rank the same answer, at the same step

@@ -41,6 +41,15 @@ def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, s
     return resumed
 
 
+def transformers_config(model) -> dict[str, Any] | None:
+    """The config of the outermost transformers model inside ``model`` (through any wrapper), as a dict."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if callable(getattr(config, "to_dict", None)) and hasattr(config, "model_type"):
+            return config.to_dict()
+    return None
+
+
 def needs_shared_root(cfg: DictConfig) -> bool:
     """Whether this launch reads or writes checkpoints (on several nodes: into a root every node must see)."""
     ckpt = cfg.checkpoint
@@ -90,6 +99,9 @@ class Saver:
             "wrap": getattr(getattr(self.model, "_hydraddp_wrap", None), "wrap", None),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            # A transformers model's own config, whole: what `export --format hf` writes (a pretrained model's
+            # config.json may hold more than the model node's keys, and its directory may be gone by then).
+            "hf_config": transformers_config(self.model),
         }
         path = checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=self.cfg.checkpoint.keep_last,
                                loader_state=self.loader_state() if self.loader_state else None)
