@@ -50,6 +50,18 @@ def model_factory(model_node: DictConfig) -> Callable[[], nn.Module]:
     return lambda: instantiate(node, "model")
 
 
+def build_path(cfg: DictConfig, model: nn.Module | None = None) -> str:
+    """How ``instantiate_model`` builds ``cfg.model``: ``meta`` (on the meta device, filled after sharding) or
+    ``whole``. With ``model`` (built whole, or with fake tensors by the plan), a model whose weights are tied, which
+    is never replayed, counts as whole."""
+    init_device = cfg.model.get("init_device", "auto")
+    if init_device == "cpu" or (init_device == "auto" and cfg.wrap.name not in SHARDING_WRAPS):
+        return "whole"
+    if model is not None and init_device == "auto" and meta_init.shared_tensors(model):
+        return "whole"
+    return "meta"
+
+
 def instantiate_model(cfg: DictConfig) -> nn.Module:
     """``cfg.model``, built under ``trainer.seed`` (every rank builds the same weights; the wrappers broadcast rank 0's
     anyway).
@@ -62,8 +74,8 @@ def instantiate_model(cfg: DictConfig) -> nn.Module:
     torch.manual_seed(cfg.trainer.seed)
     factory = model_factory(cfg.model)
     init_device = cfg.model.get("init_device", "auto")
-    if init_device == "cpu" or (init_device == "auto" and cfg.wrap.name not in SHARDING_WRAPS) or simulated.active():
-        return factory()  # a plan's fake tensors stand for a whole build
+    if build_path(cfg) == "whole" or simulated.active():
+        return factory()  # a plan's fake tensors stand for either build (the plan counts the build: build_path)
     start = torch.get_rng_state()
     try:
         return meta_init.build_on_meta(factory)[0]

@@ -82,7 +82,7 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dic
     return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
-def _model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     """What only building the model can tell, on the meta device (no memory, no process group), and only when asked:
     ``model.pretrained`` fits the model (a Hugging Face directory also sets its sizes, in place), and under
     ``model.init_device=meta`` the model's initialization can be replayed after sharding."""
@@ -220,7 +220,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found and leads else ([], None)
     found += resume_problems
     if not found:  # on every process: a pretrained config sets the model's sizes, which each rank composes alone
-        found += _model_problems(cfg, overrides)
+        found += model_problems(cfg, overrides)
     tracks = bool(cfg.tracking.enabled) and leads
     if tracks and not found:
         found += _tracking_problems(cfg)

@@ -282,7 +282,7 @@ def _hf_post_order(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return visited
 
 
-def _shared_tensors(model: nn.Module) -> dict[int, list[str]]:
+def shared_tensors(model: nn.Module) -> dict[int, list[str]]:
     owners: dict[int, list[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, tensor in _own_tensors(module).items():
@@ -308,7 +308,7 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitRepl
     """
     start = torch.get_rng_state()
     model, planned = _plan(factory)
-    shared = _shared_tensors(model)
+    shared = shared_tensors(model)
     if shared:
         names = next(iter(shared.values()))
         raise NotReplayable(f"{' and '.join(names)} are one tensor (tied weights): they are initialized as one")

@@ -48,6 +48,10 @@ def _planned(overrides: tuple[str, ...]) -> Estimate:
     cfg = compose(list(overrides))
     cfg.backend.name = resolve_backend(cfg.backend.name)
     found = problems(cfg, combination_of(cfg))
+    if not found:  # as the launch does: a pretrained directory's config.json sets the model's sizes
+        from hydraddp.launch_plan import model_problems
+
+        found = model_problems(cfg, list(overrides))
     if found:
         raise ConfigurationError(found)
     return estimate(cfg, world_size(cfg))
@@ -69,6 +73,11 @@ def render(est: Estimate, model: str) -> str:
              ("other tensors at the peak", est.temporary_bytes), ("peak", est.peak_bytes)]
     lines += [f"  {name:<32}{size(value):>12}" for name, value in parts]
     lines += [f"  unsure: {reason}" for reason in est.unsure]
+    how = ("on the meta device, then its shards filled one module at a time" if est.build == "meta"
+           else "whole, on every rank")
+    lines += ["", f"build: {how}: {size(est.build_bytes)} of host memory for the model on rank {est.rank}"]
+    if est.pretrained_read_bytes is not None:
+        lines.append(f"model.pretrained: rank {est.rank} reads {size(est.pretrained_read_bytes)} (its own slices)")
     return "\n".join(lines)
 
 

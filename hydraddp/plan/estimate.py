@@ -54,6 +54,13 @@ class Estimate:
     seconds: float  # how long the estimate took
     unsure: list[str] = field(default_factory=list)  # why the peak may be off (empty: it should hold to 10%)
     peak_margin_bytes: int = 0  # how much higher the real peak may be, for the reasons in ``unsure``
+    # How the model is built (hydraddp.build.build_path): "meta" (sharded, then filled module by module) or "whole".
+    build: str = "whole"
+    # Host bytes of the model on this rank while it is built: the whole model, or its shards plus the largest
+    # module's full tensors (one module is filled at a time).
+    build_bytes: int = 0
+    # model.pretrained: the bytes this rank reads from storage (its own slices of every tensor, in the file's dtype).
+    pretrained_read_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +92,20 @@ def ddp_buckets(numel_by_name: dict[str, int], element_size: int, cap_mb: float 
     return buckets
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _read_bytes(pretrained: str, local_numel: int) -> int:
+    """This rank's elements, in the stored tensors' dtype (the most common one)."""
+    from collections import Counter
+
+    from hydraddp.train.pretrained import kind, stored_dtypes
+
+    dtypes = Counter(stored_dtypes(pretrained, kind(pretrained)))
+    return local_numel * dtypes.most_common(1)[0][0].itemsize if dtypes else 0
+
+
 def _first_batch(cfg: DictConfig) -> Any:
     """This rank's first training batch, real (a batch is small, and a sampler reads its random numbers): the data's
     own loader, split as the run splits it."""
@@ -102,7 +123,7 @@ def _first_batch(cfg: DictConfig) -> Any:
 def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     """Plan ``cfg`` (composed and validated, ``backend=auto`` decided) as ``rank`` of ``world_size``."""
     import hydraddp.distributed as idist
-    from hydraddp.build import instantiate_model, wrap_model
+    from hydraddp.build import build_path, instantiate_model, wrap_model
     from hydraddp.config.instantiate import instantiate
     from hydraddp.distributed.precision import precision_spec
     from hydraddp.distributed.simulated import simulated_world
@@ -121,6 +142,10 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         batch = _first_batch(cfg)
         bare = instantiate_model(cfg)
         numel_by_name = {name: p.numel() for name, p in bare.named_parameters()}
+        built = build_path(cfg, bare)
+        whole_bytes = sum(_nbytes(t) for t in (*bare.parameters(), *bare.buffers()))
+        largest_module = max((sum(_nbytes(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+                              for m in bare.modules()), default=0)
         model, _ = wrap_model(cfg, bare)
         optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(
             parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
@@ -157,7 +182,10 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         unsure.append("offload=cpu: the parameters and optimizer state counted here live in host memory")
     if compiled:
         unsure.append("trainer.compile: the compiled graphs' own buffers are not simulated (they run eagerly here)")
+    pretrained = cfg.model.get("pretrained")
     return Estimate(
+        build=built, build_bytes=report.param_bytes + largest_module if built == "meta" else whole_bytes,
+        pretrained_read_bytes=_read_bytes(pretrained, report.local_numel) if pretrained else None,
         wrap=realized, precision=spec.name, world_size=world_size, rank=rank,
         units=units, param_bytes=report.param_bytes, grad_bytes=report.grad_bytes,
         optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,

@@ -106,7 +106,8 @@ BUILD_PEAK_MEMORY = "memory/build_peak_bytes"  # the same peak when training beg
 PEAK_TENSOR = "memory/peak_tensor_bytes"  # torch's tensor accounting over the second step (what the plan predicts)
 PLAN_FILE = "plan.json"  # in the job directory and as an artifact: the launch's plan (hydraddp/plan/estimate.py)
 PLAN_PARAMS = ("wrap", "world_size", "rank", "param_bytes", "grad_bytes", "optim_state_bytes", "unsharded_unit_bytes",
-               "activation_bytes", "temporary_bytes", "peak_bytes", "peak_margin_bytes", "batch_per_rank")
+               "activation_bytes", "temporary_bytes", "peak_bytes", "peak_margin_bytes", "batch_per_rank", "build",
+               "build_bytes")
 # plan/error/<part>: (planned - measured) / measured, for rank 0, once the run has measured that part.
 PLAN_CHECKED = {"param_bytes": "sharding/param_bytes/rank0", "grad_bytes": "sharding/grad_bytes/rank0",
                 "optim_state_bytes": "sharding/optim_state_bytes/rank0", "peak_bytes": f"{PEAK_TENSOR}/rank0"}

@@ -91,17 +91,26 @@ def _differs(given: Any, value: Any) -> bool:
     return given != value
 
 
-def expected_keys(path: Path, source: str) -> dict[str, tuple[int, ...]]:
-    """The tensors ``path`` holds, by the model's state_dict key, with their shapes (read from the files' headers)."""
+def _stored(path: Path, source: str) -> dict[str, Any]:
+    """DCP's metadata of each tensor ``path`` holds, by the model's state_dict key (read from the files' headers)."""
     if source == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        metadata = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
-        return {key: tuple(value.size) for key, value in metadata.items()}
+        return dict(HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata)
     from hydraddp.train.checkpoint import check_readable
 
-    return {key.removeprefix("model."): tuple(value.size) for key, value in check_readable(path).items()
+    return {key.removeprefix("model."): value for key, value in check_readable(path).items()
             if key.startswith("model.") and hasattr(value, "size")}
+
+
+def expected_keys(path: Path, source: str) -> dict[str, tuple[int, ...]]:
+    """The tensors ``path`` holds, by the model's state_dict key, with their shapes."""
+    return {key: tuple(value.size) for key, value in _stored(Path(path), source).items()}
+
+
+def stored_dtypes(path: str | Path, source: str) -> list[Any]:
+    """The dtype of each tensor ``path`` holds."""
+    return [value.properties.dtype for value in _stored(Path(path), source).values()]
 
 
 def aliases(model: nn.Module) -> dict[str, list[str]]:

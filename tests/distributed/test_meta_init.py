@@ -123,15 +123,15 @@ def test_init_device_meta_that_cannot_be_replayed_is_refused_before_launch():
     from omegaconf import OmegaConf
 
     from hydraddp.config.compose import compose
-    from hydraddp.launch_plan import _model_problems
+    from hydraddp.launch_plan import model_problems
 
     cfg = compose(["wrap=fsdp2", "model.init_device=meta"])
-    assert _model_problems(cfg, []) == []  # the MLP replays
+    assert model_problems(cfg, []) == []  # the MLP replays
     cfg.model = OmegaConf.create({"_target_": f"{__name__}.DrawsInInit", "init_device": "meta", "sync_bn": False,
                                   "pretrained": None})
-    [problem] = _model_problems(cfg, [])
+    [problem] = model_problems(cfg, [])
     assert problem.keys == ("model.init_device",)
     assert "model.init_device=meta: scale (DrawsInInit) is not set by any reset_parameters()" in problem.message
     assert "model.init_device=cpu" in problem.fix
     cfg.wrap.name = "ddp"  # meta under ddp too: built on the meta device, then filled whole
-    assert [p.keys for p in _model_problems(cfg, [])] == [("model.init_device",)]
+    assert [p.keys for p in model_problems(cfg, [])] == [("model.init_device",)]

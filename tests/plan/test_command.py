@@ -42,6 +42,19 @@ def test_the_plan_shows_units_parts_and_every_wrap(tmp_path):
     assert wraps["fsdp2"]["param_bytes"] * 2 == wraps["ddp"]["param_bytes"]
     assert wraps["fsdp2"]["optim_state_bytes"] < wraps["ddp"]["optim_state_bytes"]
     assert wraps["fsdp2"]["peak_bytes"] < wraps["ddp"]["peak_bytes"]
+    # The build: on the meta device under the FSDPs (the shards and one module's full tensors: the GPT's largest is
+    # an MLP matrix with its bias), whole under ddp.
+    import torch
+    from hydraddp.models.gpt import GPT as Model
+
+    with torch.device("meta"):
+        model = Model(seq_len=64)
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
+    assert largest == (128 * 512 + 512) * 4
+    assert (wraps["fsdp2"]["build"], wraps["fsdp2"]["build_bytes"]) == ("meta", wraps["fsdp2"]["param_bytes"] + largest)
+    assert (wraps["ddp"]["build"], wraps["ddp"]["build_bytes"]) == ("whole", whole)
+    assert "build: on the meta device, then its shards filled one module at a time" in launched.stdout
     assert "Warning" not in launched.stderr and "Traceback" not in launched.stderr
 
 

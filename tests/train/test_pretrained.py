@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hydraddp.config.compose import compose
-from hydraddp.launch_plan import _model_problems
+from hydraddp.launch_plan import model_problems
 from tests.helpers.spawn import job_dirs, run_cli, run_process
 
 # Sizes unlike hf_causal_lm.yaml's (hidden 64, 2 layers): the run must take them from config.json.
@@ -43,7 +43,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 
 def config_for(path: Path, wrap: str, extra: list[str] = ()):
     cfg = compose(["model=hf_causal_lm", f"model.pretrained={path}", f"wrap={wrap}", *SMALL_DATA, *extra])
-    assert _model_problems(cfg, list(extra)) == []  # as the launch does: the sizes come from config.json
+    assert model_problems(cfg, list(extra)) == []  # as the launch does: the sizes come from config.json
     return cfg
 
 
@@ -104,12 +104,26 @@ def test_the_pretrained_config_sets_the_sizes_and_a_contradicting_one_typed_is_r
         {"hidden_size": 32, "num_hidden_layers": 3, "intermediate_size": 48}
     typed = ["model.hidden_size=64"]
     cfg = compose(["model=hf_causal_lm", f"model.pretrained={saved['fp32']}", *typed])
-    [problem] = _model_problems(cfg, typed)
+    [problem] = model_problems(cfg, typed)
     assert problem.keys == ("model.pretrained",)
     assert "model.hidden_size=64 contradicts" in problem.message and "hidden_size=32" in problem.message
     # The same value typed is no contradiction.
     typed = ["model.hidden_size=32", "model.architecture=llama"]
-    assert _model_problems(compose(["model=hf_causal_lm", f"model.pretrained={saved['fp32']}", *typed]), typed) == []
+    assert model_problems(compose(["model=hf_causal_lm", f"model.pretrained={saved['fp32']}", *typed]), typed) == []
+
+
+def test_the_plan_counts_the_pretrained_model_and_what_each_rank_reads(saved):
+    from hydraddp.plan.__main__ import plan_overrides
+
+    est = plan_overrides(["model=hf_causal_lm", f"model.pretrained={saved['bf16']}", "wrap=fsdp2",
+                          "launcher.nproc_per_node=2", "backend=gloo"])
+    from safetensors import safe_open
+
+    with safe_open(str(saved["bf16"] / "model.safetensors"), "pt") as f:
+        numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert sum(u.numel for u in est.units) == numel  # config.json's sizes, not the yaml's
+    # Rank 0 reads its half of every tensor, in the file's bf16.
+    assert est.build == "meta" and est.pretrained_read_bytes == numel // 2 * torch.bfloat16.itemsize
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -121,14 +135,14 @@ def test_weights_that_cannot_start_this_model_are_refused_with_the_key(saved, tm
     (tmp_path / "empty").mkdir()
     overrides = [o.format(fp32=saved["fp32"], empty=tmp_path / "empty") for o in overrides]
     cfg = compose(["model=hf_causal_lm", *overrides])
-    [problem] = _model_problems(cfg, overrides)
+    [problem] = model_problems(cfg, overrides)
     assert problem.keys == ("model.pretrained",) and says in problem.message
 
 
 def test_a_hydraddp_checkpoint_of_another_model_is_refused_naming_the_first_keys(pools, tmp_path):
     written = pools.run("tests.train.test_pretrained:gpt_checkpoint", str(tmp_path), 2)
     cfg = compose(["model=gpt", "data=text", "task=causal_lm", "model.depth=3", f"model.pretrained={written[0]}"])
-    [problem] = _model_problems(cfg, [])
+    [problem] = model_problems(cfg, [])
     assert "does not fit this model: missing ['blocks.2." in problem.message, problem.message
 
 
