@@ -117,6 +117,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: Optional[str] = None
     save_last: bool = False
+    async_save: bool = True  # periodic checkpoints are written in the background while training goes on
     # Signals that stop the job after a checkpoint every rank writes at the same step (exit 3; submitit requeues)
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
 

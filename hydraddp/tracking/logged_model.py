@@ -23,6 +23,7 @@ from hydraddp.tracking import names
 log = logging.getLogger(__name__)
 NAME = "model"  # the LoggedModel's name, as in mlflow.pytorch.log_model(name="model")
 TAG_STEP, TAG_CHECKPOINT, TAG_LOAD = "hydraddp.step", "hydraddp.checkpoint", "hydraddp.load"
+TAG_HF_EXPORT = "hydraddp.hf_export"  # above max_copy_mb, a transformers model's Hugging Face directory
 PROGRESS_FILE = "logged_model.json"  # in the model's folder: {"model_id", "done"}; a retried event goes on from it
 
 
@@ -143,6 +144,9 @@ def _log(run: Any, payload: dict[str, Any], folder: Path, model: Any) -> str:
     if model is None:  # above tracking.model.max_copy_mb: the checkpoint holds the weights
         checkpoint = payload["checkpoint"]
         tags.update({TAG_CHECKPOINT: checkpoint, TAG_LOAD: f"python -m hydraddp.export {checkpoint} OUT.pt"})
+        if payload.get("hf_export"):  # a transformers model, exported beside it (hydraddp.train.logged_model)
+            tags.update({TAG_HF_EXPORT: payload["hf_export"],
+                         TAG_LOAD: f"transformers.AutoModelForCausalLM.from_pretrained({payload['hf_export']!r})"})
         model_id = mlflow.create_external_model(**common, tags=tags).model_id
         _write_progress(folder, model_id, done=False)
     else:

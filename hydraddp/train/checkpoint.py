@@ -158,10 +158,56 @@ def check_shared(root: Path) -> None:
         ))
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint being written in the background (``save(..., background=True)``): its files go into ``tmp``, and
+    ``finish`` renames it to ``final`` once DCP's write is complete (rank 0; the others only wait for their part)."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Any  # DCP's: done when this rank's part (on rank 0: every rank's, and the index) is written
+    meta: dict[str, Any]  # meta.json's content, as of the step
+    root: Path
+    keep_last: int
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self) -> Path:
+        """Wait for the write, then (rank 0) publish the checkpoint: ``latest`` never sees it before it is whole."""
+        try:
+            self.future.result()
+        except Exception as exc:
+            raise CheckpointError(f"the checkpoint of step {self.step} could not be written in the background "
+                                  f"({type(exc).__name__}: {exc}); {self.tmp} is left incomplete") from None
+        if idist.get_rank() == 0:
+            _complete(self.tmp, self.final, self.meta, self.root, self.keep_last)
+        log.info("checkpoint %s written (in the background)", self.final)
+        return self.final
+
+
+_background_group: Any = None
+
+
+def _background_process_group() -> Any:
+    """A gloo group of its own for DCP's background writes: their collectives run on another thread, beside the
+    training step's on the default group (and nccl cannot gather the plans' Python objects on the host). Made once,
+    by every rank (a collective), at the first background save."""
+    global _background_group
+    if _background_group is None:
+        _background_group = dist.new_group(backend="gloo")
+    return _background_group
+
+
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-         keep_last: int = 0, loader_state: dict[str, Any] | None = None) -> Path:
+         keep_last: int = 0, loader_state: dict[str, Any] | None = None,
+         background: bool = False) -> Path | PendingSave:
     """Write checkpoint ``step`` under ``root`` on every rank (a collective); returns its directory.
-    ``loader_state``: this rank's training-loader state (its position, and its workers' RNGs), as JSON."""
+    ``loader_state``: this rank's training-loader state (its position, and its workers' RNGs), as JSON.
+
+    ``background``: the state is copied (DCP's ``async_save`` stages it in host memory) and written by a thread while
+    training goes on; returns a ``PendingSave`` to ``finish`` (before the next save, and at the end)."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if idist.get_rank() == 0:
@@ -174,25 +220,40 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     model_sd, optim_sd = get_state_dict(model, optimizer)
     optim_tensors, param_groups = _split_optimizer(optim_sd)
     state = {"model": model_sd, "optim": optim_tensors}
-    if _distributed():
-        dcp.save(state, checkpoint_id=tmp)
-    elif idist.get_rank() == 0:  # Horovod or one process: every rank holds the full state; rank 0 writes it
-        dcp.save(state, checkpoint_id=tmp, no_dist=True)
+    # This rank's own files first: in the background, rank 0 publishes once DCP's write is done everywhere.
     (tmp / f"rng_rank{idist.get_rank()}.json").write_text(json.dumps(rng.state()))
     if loader_state is not None:
         (tmp / f"loader_rank{idist.get_rank()}.json").write_text(json.dumps(loader_state))
+    writes = _distributed() or idist.get_rank() == 0  # Horovod or one process: every rank holds it all; rank 0 writes
+    if background and writes:
+        group = _background_process_group() if _distributed() else None
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=group, no_dist=not _distributed())
+    elif writes:
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    full_meta = {**meta, "step": step, "param_groups": param_groups, "world_size": idist.get_world_size()}
+    if background:
+        from concurrent.futures import Future
+
+        if not writes:
+            future = Future()
+            future.set_result(None)
+        return PendingSave(step, tmp, final, future, full_meta, Path(root), keep_last)
     _barrier()
     if idist.get_rank() == 0:
-        full_meta = {**meta, "step": step, "param_groups": param_groups, "world_size": idist.get_world_size()}
-        (tmp / META).write_text(json.dumps(full_meta, indent=1, default=str))
-        _publish(tmp, final, meta.get("job_dir"))
-        # Only this launch's own: a root may also hold the checkpoints it resumed from.
-        own = complete_checkpoints(root, launch=meta.get("job_dir"))
-        for old in own[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _complete(tmp, final, full_meta, Path(root), keep_last)
     _barrier()
     log.info("checkpoint %s written", final)
     return final
+
+
+def _complete(tmp: Path, final: Path, meta: dict[str, Any], root: Path, keep_last: int) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: the metadata, the rename, and the launch's old ones pruned."""
+    (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
+    _publish(tmp, final, meta.get("job_dir"))
+    # Only this launch's own: a root may also hold the checkpoints it resumed from.
+    own = complete_checkpoints(root, launch=meta.get("job_dir"))
+    for old in own[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _publish(tmp: Path, final: Path, launch: str | None) -> None:

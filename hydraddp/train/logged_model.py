@@ -22,6 +22,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.tracking.events import EventWriter
+from hydraddp.train.pretrained import HF_TARGET
 
 log = logging.getLogger("hydraddp.train.loop")
 MODEL_DIR = "model"  # in the job directory
@@ -85,6 +86,18 @@ def _write_copy(folder: Path, state: dict[str, torch.Tensor], example: torch.Ten
     return {"state_dict": str(folder / STATE_FILE), "input_example": str(folder / EXAMPLE_FILE)}
 
 
+def _hf_export(checkpoint: Path, folder: Path, max_shard_mb: float) -> str | None:
+    """``python -m hydraddp.export CHECKPOINT folder/hf --format hf``, in files of at most ``max_shard_mb`` (this
+    process holds one at a time); None, with a warning, when it cannot be written."""
+    from hydraddp.export import export
+
+    try:
+        return str(export(Path(checkpoint), folder / "hf", "hf", max_shard_mb))
+    except (OSError, ValueError) as exc:
+        log.warning("the model of %s is not exported to Hugging Face's format: %s", checkpoint, exc)
+        return None
+
+
 def record_model(cfg: DictConfig, model: nn.Module, batch: Any, step: int, events: EventWriter | None,
                  job_dir: Path | None, saver: Any) -> None:
     """The model of ``step`` for the run's LoggedModel; every rank calls it.
@@ -106,6 +119,8 @@ def record_model(cfg: DictConfig, model: nn.Module, batch: Any, step: int, event
                         "checkpoint root to refer to", step, size / MB, cfg.tracking.model.max_copy_mb)
             return
         where = {"checkpoint": str(checkpoint)}
+        if cfg.model.get("_target_") == HF_TARGET:  # a transformers model: also in the format transformers loads
+            where["hf_export"] = _hf_export(checkpoint, model_folder(job_dir, step), cfg.tracking.model.max_copy_mb)
     else:
         state = full_state_dict(model, keeps, on_rank0=keepers.index(1) == 0)
         if not keeps:

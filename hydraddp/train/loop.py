@@ -290,6 +290,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 result.preempted = _preempted(saver, step, stop, job_dir)
                 break
     _close_progress(progress)
+    saver.wait()  # a checkpoint still being written in the background is published before the launch ends
     if result.preempted is not None:  # the job is about to be killed: no final evaluation
         result.losses, result.steps = step_log.losses, result.preempted["step"]
         result.final_loss = result.losses.get(result.steps, float("nan"))

@@ -69,23 +69,36 @@ class Saver:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = checkpoint_root(cfg, job_dir)
         self.last_saved: tuple[int, Path] | None = None
+        self.pending: checkpoint.PendingSave | None = None  # the checkpoint being written in the background
 
     def after(self, step: int, last_step: int, batch: Any = None) -> None:
-        """Checkpoint ``step`` if it is due; ``batch`` (the step's) gives a LoggedModel of it its input example."""
+        """Checkpoint ``step`` if it is due; ``batch`` (the step's) gives a LoggedModel of it its input example.
+        A periodic checkpoint is written in the background (``checkpoint.async_save``); the last one at once."""
+        if self.pending is not None and self.pending.done():
+            self.wait()  # published as soon as it is whole: a preemption or a crash later keeps it
         every, ckpt, tracking = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint, self.cfg.tracking
         periodic = every and step % every == 0
         final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
         if self.root is not None and (periodic or final):
-            self.save(step)
+            self.save(step, background=bool(ckpt.get("async_save")) and not final and step != last_step)
         # The last step's model is recorded after the final evaluation instead, with its metrics (loop.train).
         if periodic and step != last_step and self.root is not None and tracking.enabled and tracking.model.enabled \
                 and tracking.model.every_checkpoint:
             logged_model.record_model(self.cfg, self.model, batch, step, self.events, self.job_dir, self)
 
-    def save(self, step: int) -> Path | None:
-        """Checkpoint ``step`` now (a collective), unless it is written already; its path (None without a root)."""
+    def wait(self) -> None:
+        """Finish the checkpoint being written in the background, if any (rank 0 publishes it). Every rank calls it
+        before the next checkpoint and at the end; a rank between two does so when the write is done."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.last_saved = (pending.step, pending.finish())
+
+    def save(self, step: int, background: bool = False) -> Path | None:
+        """Checkpoint ``step`` now (a collective), unless it is written already; its path (None without a root).
+        ``background``: written by a thread while training goes on (``wait`` finishes it)."""
         if self.root is None:
             return None
+        self.wait()  # one at a time; and a step written in the background is whole once this returns
         if self.last_saved is not None and self.last_saved[0] == step:
             return self.last_saved[1]
         run_id_file = Path(self.job_dir, names.RUN_ID_FILE) if self.job_dir else None
@@ -104,6 +117,9 @@ class Saver:
             "hf_config": transformers_config(self.model),
         }
         path = checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=self.cfg.checkpoint.keep_last,
-                               loader_state=self.loader_state() if self.loader_state else None)
+                               loader_state=self.loader_state() if self.loader_state else None, background=background)
+        if isinstance(path, checkpoint.PendingSave):
+            self.pending = path
+            return path.final
         self.last_saved = (step, path)
         return path

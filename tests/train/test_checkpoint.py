@@ -148,13 +148,13 @@ def test_a_sigkilled_worker_is_restarted_and_the_job_finishes_as_if_nothing_happ
     assert sorted(steps) == list(range(1, 201))  # the steps replayed after the restart are not logged twice
 
 
-def test_a_process_killed_during_a_save_leaves_latest_on_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("worker", ["killed_during_save", "killed_during_background_save"])
+def test_a_process_killed_during_a_save_leaves_latest_on_the_previous_checkpoint(tmp_path, worker):
     from hydraddp.train.checkpoint import complete_checkpoints, find
     from tests.helpers.spawn import run_parallel
 
     root = tmp_path / "checkpoints"
-    failure = run_parallel("tests.train.workers:killed_during_save", str(root), tmp_path=tmp_path,
-                           expect_failure=True)
+    failure = run_parallel(f"tests.train.workers:{worker}", str(root), tmp_path=tmp_path, expect_failure=True)
     assert "SIGKILL" in failure["message"] or failure["exitcode"] != 0
     assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020.tmp"]
     assert [p.name for p in complete_checkpoints(root)] == ["step_00000010"]

@@ -190,12 +190,14 @@ def test_a_hydraddp_checkpoint_starts_a_run_of_any_wrap_with_its_weights(pools, 
 def test_pretrained_then_trained_then_exported_to_hf_equals_the_checkpoint(saved, tmp_path, mlflow_server):
     """A launch with every default on (plan, tracking, the logged model) from a save_pretrained Llama: the run says
     where its weights came from and what sizes it trained; 10 steps later the HF export loads with from_pretrained and
-    equals the DCP checkpoint (read by today's export) tensor for tensor, in several files."""
+    equals the DCP checkpoint (read by today's export) tensor for tensor, in several files; so does the directory the
+    run's LoggedModel points at (the model is above tracking.model.max_copy_mb)."""
     import transformers
     from mlflow import MlflowClient
 
     launched = run_cli("model=hf_causal_lm", f"model.pretrained={saved['fp32']}", "wrap=fsdp2", "backend=gloo",
                        "launcher.nproc_per_node=2", "trainer.max_steps=10", "checkpoint.save_last=true", *SMALL_DATA,
+                       "tracking.model.max_copy_mb=0.05",  # above it: a LoggedModel that points at an HF export
                        f"tracking.uri={mlflow_server.uri}", "tracking.experiment=pretrained", cwd=tmp_path / "run")
     assert launched.returncode == 0, launched.stderr[-4000:]
     [job] = job_dirs(tmp_path / "run")
@@ -216,6 +218,13 @@ def test_pretrained_then_trained_then_exported_to_hf_equals_the_checkpoint(saved
     assert loaded.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
     assert loaded["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
+    # The run's LoggedModel points at the same model in Hugging Face's format, written at the end of the launch.
+    [logged] = MlflowClient(mlflow_server.uri).search_logged_models([run.info.experiment_id])
+    hf_export = Path(logged.tags["hydraddp.hf_export"])
+    assert logged.tags["hydraddp.load"] == f"transformers.AutoModelForCausalLM.from_pretrained('{hf_export}')"
+    assert hf_export.parent.parent.parent == job  # <job dir>/model/step_00000010/hf
+    in_run = transformers.AutoModelForCausalLM.from_pretrained(hf_export).state_dict()
+    assert [k for k in expected if not torch.equal(in_run[k], expected[k])] == []
     # It trained: not the pretrained weights any more.
     start = transformers.AutoModelForCausalLM.from_pretrained(saved["fp32"]).state_dict()
     assert not torch.equal(start["model.embed_tokens.weight"], loaded["model.embed_tokens.weight"])

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 import hydraddp.distributed as idist
 from hydraddp.train import checkpoint
@@ -31,6 +32,29 @@ def killed_during_save(local_rank: int, root: str) -> None:
 
     dcp.save = save_then_die  # checkpoint imports torch.distributed.checkpoint when it saves: it sees this
     checkpoint.save(Path(root), 20, model, optimizer, {"config": {}})
+
+
+def killed_during_background_save(local_rank: int, root: str) -> None:
+    """Save step 10 in the background and finish it, then start step 20 in the background and die (SIGKILL, rank 0)
+    while its thread writes: training went on after the state was staged, as checkpoint.async_save does."""
+    model = idist.auto_model(mlp(), wrap="fsdp2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    checkpoint.save(Path(root), 10, model, optimizer, {"config": {}}, background=True).finish()
+    real_write = FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        written = real_write(self, plan, planner)
+        if idist.get_rank() == 0:
+            written.wait()  # this rank's tensors are on disk; the others' and the index may not be
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    FileSystemWriter.write_data = write_then_die
+    pending = checkpoint.save(Path(root), 20, model, optimizer, {"config": {}}, background=True)
+    model(torch.randn(4, 8)).sum().backward()  # training goes on meanwhile
+    pending.finish()
 
 
 def evaluate_all_digits(local_rank: int) -> dict:
