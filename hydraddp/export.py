@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hydraddp.config.instantiate import instantiate, model_kwargs
+from hydraddp.distributed.wrappers import size_buckets
 from hydraddp.train.checkpoint import CheckpointError, check_matches, read_meta, reader
 
 
@@ -73,7 +74,8 @@ def export_hf(checkpoint: Path, out: Path, meta: dict, max_shard_bytes: int) -> 
     # A tied tensor is stored once, under its first key (as save_pretrained does); from_pretrained ties it again.
     keys = [k for k in state if k not in tied or tied[k][0] == k]
     stored = {k: v for k, v in check_readable_model(checkpoint).items() if k in keys}
-    files = _shards(keys, stored, max_shard_bytes)
+    nbytes = {k: stored[k].size.numel() * stored[k].properties.dtype.itemsize for k in keys}
+    files = size_buckets(keys, nbytes.__getitem__, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
     weight_map = {}
     for number, shard_keys in enumerate(files, 1):
@@ -84,7 +86,7 @@ def export_hf(checkpoint: Path, out: Path, meta: dict, max_shard_bytes: int) -> 
         weight_map.update(dict.fromkeys(shard_keys, name))
         del tensors  # before the next file's: one file's tensors at a time
     if len(files) > 1:
-        total = sum(stored[k].size.numel() * stored[k].properties.dtype.itemsize for k in keys)
+        total = sum(nbytes.values())
         (out / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config.save_pretrained(str(out))
     if model.can_generate():
@@ -97,20 +99,6 @@ def check_readable_model(checkpoint: Path) -> dict:
     from hydraddp.train.checkpoint import check_readable
 
     return {k.removeprefix("model."): v for k, v in check_readable(checkpoint).items() if k.startswith("model.")}
-
-
-def _shards(keys: list[str], stored: dict, max_bytes: int) -> list[list[str]]:
-    """``keys`` in order, cut into files of at most ``max_bytes`` (a larger tensor gets a file of its own)."""
-    files: list[list[str]] = [[]]
-    size = 0
-    for key in keys:
-        nbytes = stored[key].size.numel() * stored[key].properties.dtype.itemsize
-        if files[-1] and size + nbytes > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(key)
-        size += nbytes
-    return files
 
 
 def _transformers_config(checkpoint: Path, meta: dict) -> Any:

@@ -8,8 +8,8 @@ arguments are the wrapper's own, forwarded as given, plus the hydraddp policy ke
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ from torch import nn
 from hydraddp.distributed import meta_init
 from hydraddp.distributed.policies import plan_units, resolve_policy
 from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
+
+T = TypeVar("T")
 
 # Parameters that FSDP replaced while wrapping. An optimizer that still holds one of them was created
 # before wrapping and would silently train nothing: auto_optim refuses it. Keyed by id with weak
@@ -153,27 +155,45 @@ def wrap_fsdp2(
     return model
 
 
+BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024  # per coalesced broadcast (DDP's own module sync sends 250 MB at once)
+
+
 def broadcast_module_states(model: nn.Module, group: Any, device: torch.device, src_in_group: int = 0) -> None:
     """Give every rank of ``group`` the parameters and buffers of its first rank, before sharding.
 
     FSDP2's ``fully_shard`` has no ``sync_module_states``: each rank keeps the shard of whatever it built, so
     ranks seeded with ``seed + rank`` (or loading pretrained weights on rank 0 only) would train a model
-    that no rank ever held. Tensors the backend cannot send from where they are (CPU under nccl) travel
-    through ``device``.
+    that no rank ever held. The tensors go in coalesced broadcasts of up to ``BROADCAST_BUCKET_BYTES``
+    (``_broadcast_coalesced``, as DDP's own sync), not one per tensor. Tensors the backend cannot send from where
+    they are (CPU under nccl) travel through ``device``, a bucket at a time.
     """
     import torch.distributed as dist
 
     src = dist.get_global_rank(group, src_in_group)
     via_device = "nccl" in str(dist.get_backend(group))  # nccl, or nccl with a gloo side (CPU tensors are faster so)
+    # Not materialized yet (meta), or already sharded by the caller (DTensor): nothing to send.
+    tensors = [t for t in [*model.parameters(), *model.buffers()]
+               if not t.is_meta and not isinstance(t, torch.distributed.tensor.DTensor)]
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_meta or isinstance(tensor, torch.distributed.tensor.DTensor):
-                continue  # not materialized yet, or already sharded by the caller
-            moved = via_device and tensor.device != device
-            buffer = tensor.detach().to(device) if moved else tensor.detach()
-            dist.broadcast(buffer, src=src, group=group)
-            if moved:
-                tensor.copy_(buffer)
+        for bucket in size_buckets(tensors, lambda t: t.numel() * t.element_size(), BROADCAST_BUCKET_BYTES):
+            sent = [t.detach().to(device) if via_device and t.device != device else t.detach() for t in bucket]
+            dist._broadcast_coalesced(group, sent, BROADCAST_BUCKET_BYTES, src)
+            for tensor, arrived in zip(bucket, sent):
+                if arrived.device != tensor.device:
+                    tensor.copy_(arrived)
+
+
+def size_buckets(items: list[T], nbytes: Callable[[T], int], max_bytes: int) -> list[list[T]]:
+    """``items`` in order, in groups of at most ``max_bytes`` (an item larger than that alone)."""
+    buckets: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        if buckets[-1] and size + nbytes(item) > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += nbytes(item)
+    return [bucket for bucket in buckets if bucket]
 
 
 def convert_batchnorm(model: nn.Module, factory: Any) -> nn.Module:

@@ -9,8 +9,9 @@ PATH is either
 - a hydraddp checkpoint (``step_NNNNNNNN``), for any model: its weights only. The optimizer starts fresh at step 0,
   in a new MLflow run tagged ``hydraddp.pretrained``.
 
-The launch checks PATH against the model it builds, on the meta device, before any worker starts (``problems``); the
-workers load it after wrapping (``load``), where a resume would have loaded a checkpoint instead.
+The launch checks PATH against the model it builds, on the meta device, before any worker starts
+(``launch_plan.model_problems``, with ``mismatch``); the workers load it after wrapping (``load``), where a resume
+would have loaded a checkpoint instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+
+from hydraddp.config.instantiate import HYDRADDP_MODEL_KEYS
 
 HF_CONFIG = "config.json"
 HF_TARGET = "hydraddp.models.hf.causal_lm"
@@ -64,7 +67,7 @@ def from_hf_config(model_node: Any, path: Path, typed: dict[str, str]) -> None:
     from hydraddp.models.hf import pretrained_config
 
     config = pretrained_config(path)
-    node_keys = [k for k in model_node if k not in HF_NODE_KEYS and k not in _hydraddp_keys()]
+    node_keys = [k for k in model_node if k not in HF_NODE_KEYS and k not in HYDRADDP_MODEL_KEYS]
     wanted = {"architecture": config.model_type,
               **{k: getattr(config, k) for k in node_keys if hasattr(config, k)}}
     for key, value in wanted.items():
@@ -77,12 +80,6 @@ def from_hf_config(model_node: Any, path: Path, typed: dict[str, str]) -> None:
     for key in node_keys:
         if not hasattr(config, key) and key not in typed:
             del model_node[key]
-
-
-def _hydraddp_keys() -> tuple[str, ...]:
-    from hydraddp.config.instantiate import HYDRADDP_MODEL_KEYS
-
-    return HYDRADDP_MODEL_KEYS
 
 
 def _differs(given: Any, value: Any) -> bool:
@@ -143,7 +140,7 @@ def load(path: str | Path, model: nn.Module) -> None:
     hold. A collective under a process group."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     from hydraddp.train.checkpoint import reader
 
@@ -162,10 +159,4 @@ def load(path: str | Path, model: nn.Module) -> None:
         wrapped = {"model": state}
         dcp.load(wrapped, storage_reader=reader(path), no_dist=not distributed)
         state = wrapped["model"]
-    set_model_state_dict(model, state, options=_partial())
-
-
-def _partial() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=False)  # the tied aliases left out above
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # the tied aliases left out above

@@ -43,3 +43,44 @@ def test_plain_module_copies_are_permitted_and_used(copies):
             for op in ("deepcopy", "AveragedModel", "torch.save"):
                 outcome = copies[(wrap, precision, "inner", op)]
                 assert outcome["torch_permits"] and outcome["ours"] == "ok", (wrap, precision, op, outcome)
+
+
+def broadcasts_of_a_whole_build(local_rank: int) -> dict:
+    """auto_model(fsdp2) of a model each rank built differently: how many broadcasts it sent, and whether every rank
+    then holds rank 0's values."""
+    import torch
+    import torch.distributed as dist
+
+    import hydraddp.distributed as idist
+    from tests.distributed.workers import full_params, mlp
+
+    calls = {"broadcast": 0, "coalesced": 0}
+    real_broadcast, real_coalesced = dist.broadcast, dist._broadcast_coalesced
+
+    def broadcast(*args, **kwargs):
+        calls["broadcast"] += 1
+        return real_broadcast(*args, **kwargs)
+
+    def coalesced(*args, **kwargs):
+        calls["coalesced"] += 1
+        return real_coalesced(*args, **kwargs)
+
+    torch.manual_seed(100 + idist.get_rank())
+    model = mlp()
+    dist.broadcast, dist._broadcast_coalesced = broadcast, coalesced
+    try:
+        wrapped = idist.auto_model(model, wrap="fsdp2")
+    finally:
+        dist.broadcast, dist._broadcast_coalesced = real_broadcast, real_coalesced
+    torch.manual_seed(100)
+    expected = mlp().state_dict()
+    got = full_params(wrapped)
+    return {**calls, "tensors": len(list(model.parameters())),
+            "differ": sorted(k for k in expected if not torch.equal(expected[k], got[k]))}
+
+
+def test_a_whole_build_is_broadcast_in_a_coalesced_few_not_one_per_tensor(pools):
+    out = pools.run("tests.distributed.test_init_and_copies:broadcasts_of_a_whole_build")
+    for rank in (0, 1):
+        assert out[rank]["tensors"] > 2 and out[rank]["differ"] == [], out[rank]
+        assert (out[rank]["broadcast"], out[rank]["coalesced"]) == (0, 1), out[rank]
