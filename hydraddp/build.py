@@ -92,7 +92,7 @@ def wrap_model(cfg: DictConfig, model: nn.Module) -> tuple[nn.Module, WrapReport
     wrapped = idist.auto_model(model, sync_bn=bool(cfg.model.get("sync_bn", False)), wrap=cfg.wrap.name,
                                precision=cfg.precision.name,
                                activation_checkpointing=cfg.trainer.activation_checkpointing,
-                               compile=cfg.trainer.compile,
+                               compile=cfg.trainer.compile, mesh_shape=dict(cfg.mesh),
                                **wrap_kwargs(cfg, model))
     return wrapped, idist.wrap_report(wrapped)
 

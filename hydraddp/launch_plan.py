@@ -37,6 +37,7 @@ class LaunchPlan:
     restarted: bool  # torch's agent restarted the group: the first attempt's job directory and run go on
     started_at: float  # time.time() of the command (the first job of a sweep) or of this job
     warnings: tuple[str, ...] = ()  # what runs, but slower than it could here (said before the launch)
+    mesh: str | None = None  # the device mesh (fsdp2, ddp), e.g. "dp_replicate=2,dp_shard=2,tp=1"
 
     @property
     def resumes(self) -> bool:
@@ -209,6 +210,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     from hydraddp.config.validate import combination_of, problems, resolve_backend
     from hydraddp.distributed import machine
     from hydraddp.distributed.combinations import resolve_wrap
+    from hydraddp.distributed.mesh import MeshShape
 
     cfg.backend.name = resolve_backend(cfg.backend.name)
     combo = combination_of(cfg)
@@ -231,11 +233,15 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
         found = _collision_problems(cfg, job_dir, resumed_from)
         if found:
             return found
+    wrap = resolve_wrap(combo)
+    mesh = (MeshShape.of(cfg.mesh).resolved(combo.world_size) if wrap == "fsdp2" else
+            MeshShape(combo.world_size, 1, 1) if wrap == "ddp" else None)
     secrets = frozenset(redaction.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
     config = resolve(cfg)
     return LaunchPlan(
         config=config, saved_config=redaction.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
-        overrides=tuple(overrides), sweeping=sweeping, wrap=resolve_wrap(combo), world_size=combo.world_size,
+        overrides=tuple(overrides), sweeping=sweeping, wrap=wrap, world_size=combo.world_size,
+        mesh=mesh.describe() if mesh is not None else None,
         leads=leads, tracks=tracks, resumed_from=resumed_from, preemptions=preemptions, restarted=restarted,
         started_at=started_at(sweeping, job_num),
         warnings=tuple(machine.precision_warnings(cfg.precision.name, combo.cuda_device_count,

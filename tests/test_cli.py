@@ -61,6 +61,9 @@ def test_two_process_training_leaves_one_job_directory(sweep, wrap, precision):
     batch = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["data"]["batch_size"]
     assert result["samples_per_s"] == pytest.approx(batch / result["step_time_s"], rel=1e-6)
     assert result["steady_samples_per_s"] > 0 and len(result["peak_memory_bytes"]) == 2
+    assert len(result["build_peak_memory_bytes"]) == 2
+    mesh = {"ddp": "dp_replicate=2,dp_shard=1,tp=1", "fsdp2": "dp_replicate=1,dp_shard=2,tp=1"}.get(wrap)
+    assert [r["mesh"] for r in result["reports"]] == [mesh] * 2
 
 
 @pytest.mark.timeout(900)

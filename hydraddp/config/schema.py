@@ -123,6 +123,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class MeshConfig:
+    """The device mesh (hydraddp/distributed/mesh.py): the product of the degrees is the world size."""
+
+    dp_replicate: int = 1  # data-parallel replicas (HSDP across nodes: each holds the model sharded dp_shard ways)
+    dp_shard: int = -1  # data-parallel shards; -1: the ranks left
+    tp: int = 1  # tensor-parallel ranks (within a node)
+
+
+@dataclass
 class PlanConfig:
     """``python -m hydraddp.plan`` and the plan every launch records (hydraddp/plan/)."""
 
@@ -146,6 +155,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
 def register() -> None:

@@ -121,6 +121,7 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
             "Drop wrap.kwargs.use_orig_params (hydraddp then sets it to true), "
             "or set optim.no_decay_norm_and_bias=false.",
         ))
+    found += mesh_problems(cfg, combo or combination_of(cfg))
     if detect_launch_env() is not None:
         return found  # attached: torchrun/SLURM already decided processes and nodes; the launcher group is unused
     launcher = cfg.launcher
@@ -136,6 +137,38 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
         found.append(Problem(("launcher.node_rank",), f"launcher.node_rank={launcher.node_rank} is not in "
                              f"[0, launcher.nnodes={launcher.nnodes}).", "Number the nodes 0 .. nnodes-1."))
     return found
+
+
+MESH_KEYS = ("mesh.dp_replicate", "mesh.dp_shard", "mesh.tp")
+
+
+def mesh_problems(cfg: DictConfig, combo: Combination) -> list[Problem]:
+    """The mesh's degrees against the world, the wrap, the node and the batch."""
+    from hydraddp.distributed.combinations import resolve_wrap
+    from hydraddp.distributed.mesh import MeshShape
+
+    world = combo.world_size
+    try:
+        shape = MeshShape.of(cfg.mesh).resolved(world)
+    except ValueError as exc:
+        return [Problem(MESH_KEYS, f"{exc}.",
+                        f"Make mesh.dp_replicate x mesh.dp_shard x mesh.tp the world size ({world}), or leave "
+                        "mesh.dp_shard=-1 (the ranks left).")]
+    if not shape.multi_dimensional:
+        return []
+    wrap = resolve_wrap(combo)
+    if shape.tp > 1:
+        return [Problem(("mesh.tp",), f"mesh.tp={shape.tp}: tensor parallelism is not built yet in this version of "
+                        "hydraddp.", "Set mesh.tp=1; shard with mesh.dp_shard and replicate with mesh.dp_replicate.")]
+    if wrap == "ddp" and shape.dp_replicate == world:
+        return []  # DDP is this mesh: every rank a replica
+    if wrap != "fsdp2":
+        return [Problem(("mesh.dp_replicate", "wrap"),
+                        f"mesh {shape.describe()} needs wrap=fsdp2: HSDP is FSDP2's fully_shard on a 2-D mesh, and "
+                        f"wrap={wrap} has one data-parallel dimension"
+                        f"{' (DDP: mesh.dp_replicate equal to the world size)' if wrap == 'ddp' else ''}.",
+                        "Use wrap=fsdp2, or leave mesh.* at its defaults.")]
+    return []
 
 
 # Every numeric key with the smallest value that means something (None: the key may be null).

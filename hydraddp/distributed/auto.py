@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
 from hydraddp.distributed import machine, meta_init, policies, utils, wrappers
+from hydraddp.distributed.mesh import MeshShape
 from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
@@ -95,7 +96,9 @@ def auto_model(
     ``offload="cpu"``. ``precision`` is ``fp32|bf16|fp16|bf16-true``. ``activation_checkpointing=True`` recomputes
     each block's activations in the backward pass (blocks: ``block_classes`` or the model's own declaration).
     ``compile=True`` is ``torch.compile``: each block before ``fully_shard`` under fsdp2 (the whole model when it
-    declares no blocks), the whole model under none and ddp; other wraps refuse it.
+    declares no blocks), the whole model under none and ddp; other wraps refuse it. ``mesh_shape=(dp_replicate,
+    dp_shard, tp)`` (or a ``MeshShape``; ``dp_shard=-1``: the ranks left) makes fsdp2 HSDP on a 2-D mesh; without it,
+    fsdp2 shards over every rank, as ignite's.
 
     >>> model = idist.auto_model(model, wrap="fsdp2", precision="bf16", block_classes=["Block"])  # doctest: +SKIP
     """
@@ -133,6 +136,13 @@ def auto_model(
     # On the model itself, before wrapping: the wrappers call it, DataParallel's replicas copy its hooks, and
     # the FSDPs cast for themselves (their outputs still come back in fp32 from these hooks).
     add_precision_hooks(model, spec, device.type, autocast=realized in ("none", "dp", "ddp", HOROVOD))
+    shape = MeshShape.of(kwargs.pop("mesh_shape", None))
+    if realized == "fsdp2":
+        kwargs["mesh_shape"] = shape
+        mesh = None if "mesh" in kwargs else shape.resolved(utils.get_world_size()).describe()  # a user's own mesh
+    else:
+        _check_flat_mesh(shape, realized, utils.get_world_size())
+        mesh = MeshShape(utils.get_world_size(), 1, 1).describe() if realized == "ddp" else None
     log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
     match realized:
         case "none":
@@ -148,8 +158,19 @@ def auto_model(
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
     model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed), tuple(compiled),
-                                       init_device)
+                                       init_device, mesh)
     return model
+
+
+def _check_flat_mesh(shape: MeshShape, realized: str, world_size: int) -> None:
+    """A wrap other than fsdp2 has one data-parallel dimension: DDP replicates over every rank, the others shard or
+    replicate as they do. A mesh asking for more is refused, with the reason."""
+    resolved = shape.resolved(world_size)
+    if resolved.tp > 1 or (resolved.dp_replicate not in (1, world_size)) or \
+            (resolved.dp_replicate > 1 and realized != "ddp"):
+        raise ValueError(f"mesh {resolved.describe()} needs wrap=fsdp2 (HSDP and tensor parallel are built on "
+                         f"FSDP2's fully_shard and a device mesh); wrap={realized} has one data-parallel dimension. "
+                         "Use wrap=fsdp2, or leave mesh_shape out.")
 
 
 def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:

@@ -26,6 +26,7 @@ class WrapRecord:
     checkpointed: tuple[str, ...] = ()  # blocks under activation checkpointing
     compiled: tuple[str, ...] = ()  # modules under torch.compile (ROOT: the whole model)
     init_device: str = "cpu"  # where the model was built: "meta" (meta_init: sharded first, then filled) or a device
+    mesh: str | None = None  # the data-parallel mesh (mesh.MeshShape.describe): fsdp2 and ddp
 
 
 @dataclass
@@ -55,6 +56,8 @@ class WrapReport:
     checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are recomputed in backward
     compiled: list[str] = field(default_factory=list)  # modules under torch.compile ("<root>": the whole model)
     init_device: str = "cpu"  # "meta": built on the meta device and filled after sharding (meta_init)
+    mesh: str | None = None  # "dp_replicate=2,dp_shard=2,tp=1": the mesh the model is wrapped on (fsdp2, ddp)
+    mesh_coordinate: list[int] | None = None  # this rank's place in the sharding mesh (fsdp2)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,4 +156,12 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         checkpointed=list(record.checkpointed) if record is not None else [],
         compiled=list(record.compiled) if record is not None else [],
         init_device=record.init_device if record is not None else "cpu",
+        mesh=record.mesh if record is not None else None,
+        mesh_coordinate=_coordinate(model) if wrapper == "fsdp2" else None,
     )
+
+
+def _coordinate(model: nn.Module) -> list[int] | None:
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    coordinate = mesh.get_coordinate() if mesh is not None else None
+    return list(coordinate) if coordinate is not None else None

@@ -19,6 +19,8 @@ from torch import nn
 
 from hydraddp.distributed import utils
 from hydraddp.distributed.comp_models.native import _NativeDistModel, _Topology
+from hydraddp.distributed.mesh import MeshShape
+from hydraddp.distributed.mesh import build as build_mesh
 
 _active: _SimulatedDistModel | None = None
 
@@ -45,9 +47,10 @@ def active() -> _SimulatedDistModel | None:
 
 @contextlib.contextmanager
 def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int | None = None,
-                    rank: int = 0) -> Iterator[Any]:
+                    rank: int = 0, mesh_shape: Any = None) -> Iterator[Any]:
     """Be ``rank`` of ``world_size`` ranks under fake tensors; yields the ``FakeTensorMode``. Nothing in here may
-    read a tensor's values (``.item()``, a data-dependent branch): fake tensors have none."""
+    read a tensor's values (``.item()``, a data-dependent branch): fake tensors have none. ``mesh_shape``
+    (``mesh.MeshShape``): the N-D mesh fsdp2 wraps on, made here with the group."""
     global _active
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -59,7 +62,8 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         # The mesh reads the group's ranks: it must exist before fake tensors, which have no values to read.
-        mesh = init_device_mesh("cpu", (world_size,))
+        shape = MeshShape.of(mesh_shape).resolved(world_size)
+        mesh = build_mesh(shape, "cpu") if shape.multi_dimensional else init_device_mesh("cpu", (world_size,))
         _active = _SimulatedDistModel(_Topology(rank % nproc, nproc, max(world_size // nproc, 1), rank // nproc),
                                       backend, mesh)
         utils._set_model(_active)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from hydraddp.distributed import meta_init
+from hydraddp.distributed.mesh import MeshShape, data_parallel
+from hydraddp.distributed.mesh import build as build_mesh
 from hydraddp.distributed.policies import plan_units, resolve_policy
 from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
 
@@ -112,6 +114,7 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
 def wrap_fsdp2(
     model: nn.Module, device: torch.device, world_size: int, spec: PrecisionSpec, offload: bool, **kwargs: Any
 ) -> nn.Module:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -119,7 +122,11 @@ def wrap_fsdp2(
     from hydraddp.distributed import simulated
 
     planning = simulated.active()  # a plan's mesh was made before its fake tensors, which cannot make one
-    mesh = kwargs.pop("mesh", None) or (planning.mesh if planning else init_device_mesh(device.type, (world_size,)))
+    shape = MeshShape.of(kwargs.pop("mesh_shape", None)).resolved(world_size)
+    mesh = kwargs.pop("mesh", None)
+    if mesh is None and shape.multi_dimensional:
+        mesh = data_parallel(planning.mesh if planning else build_mesh(shape, device.type))
+    mesh = mesh or (planning.mesh if planning else init_device_mesh(device.type, (world_size,)))
     user_mp = kwargs.pop("mp_policy", None)
     offload_policy = kwargs.pop("offload_policy", None) or (CPUOffloadPolicy() if offload else OffloadPolicy())
     common = {"mesh": mesh, "offload_policy": offload_policy, **kwargs}
@@ -132,7 +139,8 @@ def wrap_fsdp2(
 
     before = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
     replay = meta_init.replay_of(model)
-    broadcast_module_states(model, mesh.get_group(), device)
+    # Over every rank of the data-parallel mesh: its one group, or the world's for HSDP's two dimensions.
+    broadcast_module_states(model, mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD, device)
     if spec.is_mixed and user_mp is None:
         # BatchNorm in reduced precision drifts; the known fix is its own unit computing in fp32 (inputs cast
         # up), whose output is cast back to the compute dtype for the next layer.

@@ -138,7 +138,7 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         cfg = copy.deepcopy(cfg)
         cfg.trainer.compile = False
     nproc = min(cfg.launcher.nproc_per_node, world_size)
-    with simulated_world(world_size, cfg.backend.name, nproc, rank):
+    with simulated_world(world_size, cfg.backend.name, nproc, rank, mesh_shape=dict(cfg.mesh)):
         batch = _first_batch(cfg)
         bare = instantiate_model(cfg)
         numel_by_name = {name: p.numel() for name, p in bare.named_parameters()}

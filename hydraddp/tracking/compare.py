@@ -147,6 +147,9 @@ def row(run: Compared) -> dict[str, Any]:
         "wrap": run.tags.get(names.TAG_WRAP, "?"),
         "precision": run.tags.get(names.TAG_PRECISION, "?"),
         "world": int(world) if world.isdigit() else world,
+        # dp_replicate x dp_shard x tp, from the hydraddp.mesh tag (fsdp2 and ddp); "-" for the other wraps
+        "mesh": "x".join(part.split("=")[1] for part in run.tags[names.TAG_MESH].split(","))
+        if names.TAG_MESH in run.tags else None,
         "samples/s": metrics.get(names.SAMPLES_PER_S),
         "max rank p+g+o MiB": max(map(sum, state.values())) / MiB if state else None,
         "peak mem MiB": _mib(max(peaks.values()) if peaks else metrics.get(f"{names.PEAK_MEMORY}/max")),

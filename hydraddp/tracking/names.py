@@ -13,6 +13,7 @@ CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SI
 # On a resumed run: a JSON list, one entry per resume, of the checkpoint and step it resumed from and the
 # contract tags the run had until then (the tags themselves always say what the run runs with now).
 TAG_RESUMED_FROM = "hydraddp.resumed_from"
+TAG_MESH = "hydraddp.mesh"  # fsdp2 and ddp: the device mesh, e.g. dp_replicate=2,dp_shard=2,tp=1
 TAG_PRETRAINED = "hydraddp.pretrained"  # model.pretrained: the weights the run started from (a path)
 TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes of the model and the task
 TAG_PREEMPTED = "hydraddp.preempted"  # JSON: the step, checkpoint and signal of the latest preemption

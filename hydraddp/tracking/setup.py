@@ -38,6 +38,7 @@ def launch_run(plan: Any) -> TrackerProcess:
         names.TAG_MODEL: str(config["model"].get("_target_", "?")),
         names.TAG_TASK: str(config["task"].get("_target_", "?")),
         **({names.TAG_REQUEUES: str(plan.preemptions)} if plan.preemptions else {}),
+        **({names.TAG_MESH: plan.mesh} if plan.mesh else {}),
         **({names.TAG_PRETRAINED: str(config["model"]["pretrained"])} if config["model"].get("pretrained") else {}),
     }
     parent = os.environ.get(PARENT_RUN_ENV)

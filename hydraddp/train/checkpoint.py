@@ -225,6 +225,10 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     if loader_state is not None:
         (tmp / f"loader_rank{idist.get_rank()}.json").write_text(json.dumps(loader_state))
     writes = _distributed() or idist.get_rank() == 0  # Horovod or one process: every rank holds it all; rank 0 writes
+    if background and _has_sharded_tensor(model_sd):
+        # FSDP1's sharded state: DCP's stager in torch 2.13 cannot copy a ShardedTensor ("torch function 'data_ptr'
+        # ... not supported for ShardedTensor"), so wrap=fsdp writes its checkpoints at once.
+        background = False
     if background and writes:
         group = _background_process_group() if _distributed() else None
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=group, no_dist=not _distributed())
@@ -244,6 +248,12 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     _barrier()
     log.info("checkpoint %s written", final)
     return final
+
+
+def _has_sharded_tensor(state: dict[str, Any]) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return any(isinstance(value, ShardedTensor) for value in state.values())
 
 
 def _complete(tmp: Path, final: Path, meta: dict[str, Any], root: Path, keep_last: int) -> None:

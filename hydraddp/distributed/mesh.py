@@ -1,0 +1,78 @@
+"""A launch's device mesh: data-parallel replicas x data-parallel shards x tensor-parallel ranks.
+
+``MeshShape(dp_replicate, dp_shard, tp)`` is what the config says (``mesh.*``; ``dp_shard=-1``: the ranks left), and
+``build`` makes torch's ``DeviceMesh`` of it, with those dimension names, innermost last (a TP group is consecutive
+ranks, so that it stays within a node). FSDP2 shards over ``dp_shard`` and, with ``dp_replicate > 1``, replicates over
+``dp_replicate`` (HSDP, ``fully_shard`` on the 2-D mesh). Today's 1-D fsdp2 is the shape ``(1, world, 1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the ranks left
+    tp: int = 1
+
+    def resolved(self, world_size: int) -> MeshShape:
+        """``dp_shard=-1`` made the ranks left; a ``ValueError`` when the degrees cannot make ``world_size``."""
+        for name in DIMS:
+            value = getattr(self, name)
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                raise ValueError(f"mesh.{name}={value}: a degree is at least 1 (mesh.dp_shard=-1: the ranks left)")
+        shard = self.dp_shard
+        if shard == -1:
+            fixed = self.dp_replicate * self.tp
+            if world_size % fixed:
+                raise ValueError(f"mesh.dp_replicate={self.dp_replicate} x mesh.tp={self.tp} = {fixed} does not "
+                                 f"divide the world size {world_size}, so mesh.dp_shard=-1 has no value")
+            shard = world_size // fixed
+        resolved = MeshShape(self.dp_replicate, shard, self.tp)
+        if resolved.size != world_size:
+            raise ValueError(f"mesh {resolved.describe()} is {resolved.size} ranks, but the world size is "
+                             f"{world_size}")
+        return resolved
+
+    @property
+    def size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: how many ranks read different batches (a TP group reads one)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def multi_dimensional(self) -> bool:
+        return self.dp_replicate > 1 or self.tp > 1
+
+    def describe(self) -> str:
+        """``dp_replicate=2,dp_shard=2,tp=1``: the ``hydraddp.mesh`` tag."""
+        return ",".join(f"{name}={getattr(self, name)}" for name in DIMS)
+
+    @classmethod
+    def of(cls, value: Any) -> MeshShape:
+        """A ``MeshShape`` from one, a mapping of the dimension names, or a ``(dp_replicate, dp_shard, tp)`` tuple."""
+        if value is None or isinstance(value, MeshShape):
+            return value or cls()
+        if isinstance(value, dict) or hasattr(value, "keys"):
+            return cls(**{name: int(value[name]) for name in DIMS if name in value})
+        return cls(*(int(v) for v in value))
+
+
+def build(shape: MeshShape, device_type: str) -> Any:
+    """torch's ``DeviceMesh`` of ``shape`` (resolved), its dimensions named as ``DIMS``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=DIMS)
+
+
+def data_parallel(mesh: Any) -> Any:
+    """The mesh FSDP2 shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]

@@ -1,0 +1,146 @@
+"""The device mesh (mesh.dp_replicate x mesh.dp_shard x mesh.tp): its shape against the world, the wrap and the node,
+refused before launch with the key and the fix; HSDP (fsdp2 on a 2-D mesh) at 4 gloo ranks trains as one process does,
+says its mesh and each rank's place in it, and its checkpoints reshard to 1-D fsdp2 and back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hydraddp.distributed as idist
+from hydraddp.config.compose import compose
+from hydraddp.config.validate import problems
+from hydraddp.distributed.mesh import MeshShape
+from tests.distributed.test_meta_init import FACTORIES, SEED, trained
+
+
+def test_the_ranks_left_fill_dp_shard_and_a_product_off_the_world_is_an_error():
+    assert MeshShape(2, -1, 1).resolved(8) == MeshShape(2, 4, 1)
+    assert MeshShape.of({"dp_replicate": 2, "dp_shard": 2}).describe() == "dp_replicate=2,dp_shard=2,tp=1"
+    with pytest.raises(ValueError, match="mesh dp_replicate=2,dp_shard=3,tp=1 is 6 ranks, but the world size is 4"):
+        MeshShape(2, 3, 1).resolved(4)
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        MeshShape(3, -1, 1).resolved(4)
+
+
+@pytest.mark.parametrize("overrides, keys, says", [
+    (["wrap=fsdp2", "mesh.dp_replicate=2", "mesh.dp_shard=3", "launcher.nproc_per_node=4"],
+     ("mesh.dp_replicate", "mesh.dp_shard", "mesh.tp"), "is 6 ranks, but the world size is 4"),
+    (["wrap=fsdp", "mesh.dp_replicate=2", "launcher.nproc_per_node=4"], ("mesh.dp_replicate", "wrap"),
+     "needs wrap=fsdp2"),
+    (["wrap=ddp", "mesh.dp_replicate=2", "launcher.nproc_per_node=4"], ("mesh.dp_replicate", "wrap"),
+     "DDP: mesh.dp_replicate equal to the world size"),
+    (["wrap=fsdp2", "mesh.dp_shard=2", "mesh.tp=2", "launcher.nproc_per_node=4"], ("mesh.tp",),
+     "tensor parallelism is not built yet"),
+])
+def test_a_mesh_that_cannot_run_is_refused_before_launch(overrides, keys, says):
+    found = [p for p in problems(compose(["backend=gloo", *overrides])) if p.keys[0].startswith("mesh.")]
+    assert len(found) == 1 and found[0].keys == keys and says in found[0].message, found
+
+
+def test_the_meshes_that_run_pass():
+    for overrides in (["wrap=fsdp2", "mesh.dp_replicate=2", "mesh.dp_shard=2"], ["wrap=ddp", "mesh.dp_replicate=4"],
+                      ["wrap=fsdp2"], ["wrap=ddp"]):
+        assert problems(compose(["backend=gloo", "launcher.nproc_per_node=4", *overrides])) == [], overrides
+
+
+def hsdp_trained(local_rank: int, name: str) -> dict:
+    """HSDP 2 x 2: the global losses of 10 steps, the full parameters after them, and the report."""
+    from tests.distributed.workers import full_params
+
+    from hydraddp.distributed.meta_init import build_on_meta
+
+    torch.manual_seed(SEED)
+    model, _ = build_on_meta(FACTORIES[name])
+    wrapped = idist.auto_model(model, wrap="fsdp2", mesh_shape=(2, 2, 1))
+    report = idist.wrap_report(wrapped)
+    losses, wrapped = trained(name, wrapped, idist.get_rank(), idist.get_world_size())
+    return {"losses": losses, "params": {k: v.cpu() for k, v in full_params(wrapped).items()},
+            "mesh": report.mesh, "mesh_shape": report.mesh_shape, "coordinate": report.mesh_coordinate,
+            "local_numel": report.local_numel, "total_numel": report.total_numel}
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_hsdp_on_four_ranks_trains_as_one_process_and_says_its_mesh(pools, name):
+    torch.manual_seed(SEED)
+    expected_losses, whole = trained(name, FACTORIES[name]())
+    expected = whole.state_dict()
+    out = pools.run("tests.distributed.test_mesh:hsdp_trained", name, nproc=4)
+    for rank in range(4):
+        seen = out[rank]
+        assert seen["losses"] == pytest.approx(expected_losses, abs=1e-5), rank
+        worst = max((seen["params"][k] - expected[k].float()).abs().max().item() for k in expected)
+        assert worst <= 1e-5, (rank, worst)
+        assert seen["mesh"] == "dp_replicate=2,dp_shard=2,tp=1" and seen["mesh_shape"] == [2, 2]
+        assert seen["coordinate"] == [rank // 2, rank % 2]
+        # Sharded two ways, replicated two ways: each rank holds about half the model.
+        assert seen["local_numel"] <= seen["total_numel"] // 2 + 1000, seen
+    assert out[0]["local_numel"] == out[2]["local_numel"]  # replicas hold the same shard
+
+
+def saved_under(local_rank: int, root: str, mesh_shape: tuple, seed: int) -> str:
+    """A checkpoint of the small GPT under fsdp2 on ``mesh_shape`` (after one SGD step from ``seed``); its path."""
+    from hydraddp.train import checkpoint
+
+    torch.manual_seed(seed)
+    model = idist.auto_model(FACTORIES["gpt"](), wrap="fsdp2", mesh_shape=mesh_shape)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randint(0, 64, (4, 16))).sum().backward()
+    optimizer.step()
+    return str(checkpoint.save(Path(root), 1, model, optimizer, {"config": {}}))
+
+
+def loaded_under(local_rank: int, path: str, mesh_shape: tuple) -> dict:
+    """The full parameters of the small GPT under fsdp2 on ``mesh_shape``, loaded from ``path``."""
+    from hydraddp.train import checkpoint
+    from tests.distributed.workers import full_params
+
+    torch.manual_seed(99)  # other weights than the checkpoint's, so that the load shows
+    model = idist.auto_model(FACTORIES["gpt"](), wrap="fsdp2", mesh_shape=mesh_shape)
+    checkpoint.load(Path(path), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return {k: v.cpu() for k, v in full_params(model).items()}
+
+
+def test_a_checkpoint_reshards_between_hsdp_and_one_dimensional_fsdp2(pools, tmp_path):
+    hsdp = pools.run("tests.distributed.test_mesh:saved_under", str(tmp_path / "hsdp"), (2, 2, 1), 1, nproc=4)[0]
+    flat = pools.run("tests.distributed.test_mesh:saved_under", str(tmp_path / "flat"), (1, 2, 1), 2)[0]
+    reference = {source: pools.run("tests.distributed.test_mesh:loaded_under", path, shape, nproc=n)[0]
+                 for source, path, shape, n in (("hsdp", hsdp, (2, 2, 1), 4), ("flat", flat, (1, 2, 1), 2))}
+    into_flat = pools.run("tests.distributed.test_mesh:loaded_under", hsdp, (1, 2, 1))[0]
+    into_hsdp = pools.run("tests.distributed.test_mesh:loaded_under", flat, (2, 2, 1), nproc=4)[0]
+    assert [k for k in into_flat if not torch.equal(into_flat[k], reference["hsdp"][k])] == []
+    assert [k for k in into_hsdp if not torch.equal(into_hsdp[k], reference["flat"][k])] == []
+    assert any(not torch.equal(reference["hsdp"][k], reference["flat"][k]) for k in into_flat)  # two trainings
+
+
+@pytest.mark.slow
+def test_an_hsdp_launch_names_its_mesh_in_the_report_and_the_run(tmp_path):
+    """python -m hydraddp wrap=fsdp2 mesh.dp_replicate=2 mesh.dp_shard=2 on 4 gloo ranks, with the plan, tracking and
+    checkpoints (written in the background) on."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from tests.helpers.spawn import job_dirs, run_cli
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    launched = run_cli("model=gpt", "data=text", "task=causal_lm", "model.depth=2", "model.dim=32", "model.heads=2",
+                       "data.dataset.num_chars=4000", "data.batch_size=8", "trainer.max_steps=6",
+                       "trainer.eval_every=0", "checkpoint.every_n_steps=3", "wrap=fsdp2", "backend=gloo",
+                       "mesh.dp_replicate=2", "mesh.dp_shard=2", "launcher.nproc_per_node=4",
+                       f"tracking.uri={uri}", "tracking.model.enabled=false", cwd=tmp_path / "run", timeout=300)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    [job] = job_dirs(tmp_path / "run")
+    result = json.loads((job / "result.json").read_text())
+    assert [r["mesh"] for r in result["reports"]] == ["dp_replicate=2,dp_shard=2,tp=1"] * 4
+    assert [r["mesh_coordinate"] for r in result["reports"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert (job / "checkpoints" / "step_00000003").is_dir() and (job / "plan.json").exists()
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
+    assert run.data.tags["hydraddp.mesh"] == "dp_replicate=2,dp_shard=2,tp=1"
+    assert {k: run.data.params[k] for k in ("mesh.dp_replicate", "mesh.dp_shard", "mesh.tp")} == \
+        {"mesh.dp_replicate": "2", "mesh.dp_shard": "2", "mesh.tp": "1"}
+    planned = json.loads((job / "plan.json").read_text())
+    assert "error" not in planned and planned["param_bytes"] * 2 <= sum(u["numel"] for u in planned["units"]) * 4 + 64
