@@ -59,13 +59,12 @@ def _load_model_keys(checkpoint: Path, state: dict) -> None:
 
 def export_hf(checkpoint: Path, out: Path, meta: dict, max_shard_bytes: int) -> Path:
     """The checkpoint as a Hugging Face model directory, written one safetensors file at a time."""
+    import transformers
     from safetensors.torch import save_file
 
-    from hydraddp.train.pretrained import aliases
+    from hydraddp.train.pretrained import aliases, stored_tensors
 
     config = _transformers_config(checkpoint, meta)
-    import transformers
-
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     state = model.state_dict()
@@ -73,7 +72,7 @@ def export_hf(checkpoint: Path, out: Path, meta: dict, max_shard_bytes: int) -> 
     tied = aliases(model)
     # A tied tensor is stored once, under its first key (as save_pretrained does); from_pretrained ties it again.
     keys = [k for k in state if k not in tied or tied[k][0] == k]
-    stored = {k: v for k, v in check_readable_model(checkpoint).items() if k in keys}
+    stored = {k: v for k, v in stored_tensors(checkpoint, "checkpoint").items() if k in keys}
     nbytes = {k: stored[k].size.numel() * stored[k].properties.dtype.itemsize for k in keys}
     files = size_buckets(keys, nbytes.__getitem__, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,13 +91,6 @@ def export_hf(checkpoint: Path, out: Path, meta: dict, max_shard_bytes: int) -> 
     if model.can_generate():
         transformers.GenerationConfig.from_model_config(config).save_pretrained(str(out))
     return out
-
-
-def check_readable_model(checkpoint: Path) -> dict:
-    """The checkpoint's model tensors' metadata, by the model's own key."""
-    from hydraddp.train.checkpoint import check_readable
-
-    return {k.removeprefix("model."): v for k, v in check_readable(checkpoint).items() if k.startswith("model.")}
 
 
 def _transformers_config(checkpoint: Path, meta: dict) -> Any:

@@ -224,24 +224,17 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     (tmp / f"rng_rank{idist.get_rank()}.json").write_text(json.dumps(rng.state()))
     if loader_state is not None:
         (tmp / f"loader_rank{idist.get_rank()}.json").write_text(json.dumps(loader_state))
-    writes = _distributed() or idist.get_rank() == 0  # Horovod or one process: every rank holds it all; rank 0 writes
-    if background and _has_sharded_tensor(model_sd):
-        # FSDP1's sharded state: DCP's stager in torch 2.13 cannot copy a ShardedTensor ("torch function 'data_ptr'
-        # ... not supported for ShardedTensor"), so wrap=fsdp writes its checkpoints at once.
-        background = False
-    if background and writes:
-        group = _background_process_group() if _distributed() else None
-        future = dcp.async_save(state, checkpoint_id=tmp, process_group=group, no_dist=not _distributed())
-    elif writes:
-        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    # In the background only where DCP's own collectives finish every rank's part before rank 0's index is written
+    # (Horovod's ranks have none: at once), and not FSDP1's state: DCP's stager in torch 2.13 cannot copy a
+    # ShardedTensor ("torch function 'data_ptr' ... not supported for ShardedTensor").
+    background = background and (_distributed() or idist.get_world_size() == 1) and not _has_sharded_tensor(model_sd)
     full_meta = {**meta, "step": step, "param_groups": param_groups, "world_size": idist.get_world_size()}
     if background:
-        from concurrent.futures import Future
-
-        if not writes:
-            future = Future()
-            future.set_result(None)
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=_background_process_group()
+                                if _distributed() else None, no_dist=not _distributed())
         return PendingSave(step, tmp, final, future, full_meta, Path(root), keep_last)
+    if _distributed() or idist.get_rank() == 0:  # Horovod or one process: every rank holds it all; rank 0 writes
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
     _barrier()
     if idist.get_rank() == 0:
         _complete(tmp, final, full_meta, Path(root), keep_last)

@@ -88,7 +88,7 @@ def _differs(given: Any, value: Any) -> bool:
     return given != value
 
 
-def _stored(path: Path, source: str) -> dict[str, Any]:
+def stored_tensors(path: Path, source: str) -> dict[str, Any]:
     """DCP's metadata of each tensor ``path`` holds, by the model's state_dict key (read from the files' headers)."""
     if source == "hf":
         from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -102,12 +102,12 @@ def _stored(path: Path, source: str) -> dict[str, Any]:
 
 def expected_keys(path: Path, source: str) -> dict[str, tuple[int, ...]]:
     """The tensors ``path`` holds, by the model's state_dict key, with their shapes."""
-    return {key: tuple(value.size) for key, value in _stored(Path(path), source).items()}
+    return {key: tuple(value.size) for key, value in stored_tensors(Path(path), source).items()}
 
 
 def stored_dtypes(path: str | Path, source: str) -> list[Any]:
     """The dtype of each tensor ``path`` holds."""
-    return [value.properties.dtype for value in _stored(Path(path), source).values()]
+    return [value.properties.dtype for value in stored_tensors(Path(path), source).values()]
 
 
 def aliases(model: nn.Module) -> dict[str, list[str]]:
