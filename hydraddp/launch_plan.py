@@ -211,6 +211,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     from hydraddp.distributed import machine
     from hydraddp.distributed.combinations import resolve_wrap
     from hydraddp.distributed.mesh import MeshShape
+    from hydraddp.distributed.mesh import realized as realized_mesh
 
     cfg.backend.name = resolve_backend(cfg.backend.name)
     combo = combination_of(cfg)
@@ -234,8 +235,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
         if found:
             return found
     wrap = resolve_wrap(combo)
-    mesh = (MeshShape.of(cfg.mesh).resolved(combo.world_size) if wrap == "fsdp2" else
-            MeshShape(combo.world_size, 1, 1) if wrap == "ddp" else None)
+    mesh = realized_mesh(MeshShape.of(cfg.mesh), wrap, combo.world_size)
     secrets = frozenset(redaction.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
     config = resolve(cfg)
     return LaunchPlan(

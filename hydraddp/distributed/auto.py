@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 
 from hydraddp.distributed import machine, meta_init, policies, utils, wrappers
 from hydraddp.distributed.mesh import MeshShape
+from hydraddp.distributed.mesh import realized as realized_mesh
 from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
@@ -139,10 +140,10 @@ def auto_model(
     shape = MeshShape.of(kwargs.pop("mesh_shape", None))
     if realized == "fsdp2":
         kwargs["mesh_shape"] = shape
-        mesh = None if "mesh" in kwargs else shape.resolved(utils.get_world_size()).describe()  # a user's own mesh
     else:
         _check_flat_mesh(shape, realized, utils.get_world_size())
-        mesh = MeshShape(utils.get_world_size(), 1, 1).describe() if realized == "ddp" else None
+    on = None if "mesh" in kwargs else realized_mesh(shape, realized, utils.get_world_size())  # a user's own mesh
+    mesh = on.describe() if on is not None else None
     log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
     match realized:
         case "none":

@@ -66,6 +66,13 @@ class MeshShape:
         return cls(*(int(v) for v in value))
 
 
+def realized(shape: MeshShape, wrap: str, world_size: int) -> MeshShape | None:
+    """The mesh ``wrap`` runs on: ``shape`` resolved under fsdp2, every rank a replica under ddp, none otherwise."""
+    if wrap == "fsdp2":
+        return shape.resolved(world_size)
+    return MeshShape(world_size, 1, 1) if wrap == "ddp" else None
+
+
 def build(shape: MeshShape, device_type: str) -> Any:
     """torch's ``DeviceMesh`` of ``shape`` (resolved), its dimensions named as ``DIMS``."""
     from torch.distributed.device_mesh import init_device_mesh
