@@ -14,6 +14,7 @@ from torch import nn
 import hydraddp.distributed as idist
 from hydraddp.config.instantiate import instantiate, model_kwargs
 from hydraddp.distributed import meta_init, simulated
+from hydraddp.distributed.mesh import MeshShape
 from hydraddp.distributed.policies import declared_blocks
 from hydraddp.distributed.report import WrapReport
 from hydraddp.train.pretrained import HF_CONFIG
@@ -38,6 +39,18 @@ def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
 
 
 SHARDING_WRAPS = ("fsdp", "fsdp2")
+
+
+def data_mesh(cfg: DictConfig) -> MeshShape | None:
+    """The mesh whose data-parallel ranks split the data (``train.data.readers``): fsdp2's, whose TP groups each read
+    one share of a batch; None (every rank its own share) under the other wraps."""
+    return MeshShape.of(cfg.mesh).resolved(idist.get_world_size()) if cfg.wrap.name == "fsdp2" else None
+
+
+def tp_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """``tp_plan=wrap.tp_plan`` when the config gives one (else the model's own plan is used)."""
+    plan = cfg.wrap.get("tp_plan")
+    return {"tp_plan": dict(plan)} if plan else {}
 
 
 def model_factory(model_node: DictConfig) -> Callable[[], nn.Module]:
@@ -93,7 +106,7 @@ def wrap_model(cfg: DictConfig, model: nn.Module) -> tuple[nn.Module, WrapReport
                                precision=cfg.precision.name,
                                activation_checkpointing=cfg.trainer.activation_checkpointing,
                                compile=cfg.trainer.compile, mesh_shape=dict(cfg.mesh),
-                               **wrap_kwargs(cfg, model))
+                               **tp_kwargs(cfg), **wrap_kwargs(cfg, model))
     return wrapped, idist.wrap_report(wrapped)
 
 

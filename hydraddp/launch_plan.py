@@ -86,9 +86,11 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dic
 def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     """What only building the model can tell, on the meta device (no memory, no process group), and only when asked:
     ``model.pretrained`` fits the model (a Hugging Face directory also sets its sizes, in place), and under
-    ``model.init_device=meta`` the model's initialization can be replayed after sharding."""
+    ``model.init_device=meta`` the model's initialization can be replayed after sharding; under ``mesh.tp > 1`` the
+    model has a TP plan whose splits ``mesh.tp`` divides."""
     pretrained, meta = cfg.model.get("pretrained"), cfg.model.get("init_device") == "meta"
-    if not pretrained and not meta:
+    tp = cfg.mesh.tp if cfg.wrap.name == "fsdp2" and cfg.mesh.tp > 1 else 1
+    if not pretrained and not meta and tp == 1:
         return []  # the usual case: no torch import before the tracker starts
     from hydraddp.build import model_factory
     from hydraddp.distributed import meta_init
@@ -106,7 +108,7 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
             weights.from_hf_config(cfg.model, Path(pretrained), weights.typed_model_keys(overrides))
         if meta:
             model, _ = meta_init.build_on_meta(model_factory(cfg.model))
-        elif source is not None:
+        elif source is not None or tp > 1:
             import torch
 
             with torch.device("meta"):
@@ -121,6 +123,11 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     except meta_init.NotReplayable as exc:
         return [Problem(("model.init_device",), f"model.init_device=meta: {exc}.",
                         "Set model.init_device=cpu (built whole on every rank) or auto (whole, with a warning).")]
+    if tp > 1:  # the model's plan, and every size it splits, against mesh.tp
+        from hydraddp.build import tp_kwargs
+        from hydraddp.distributed.parallelize import tp_problems
+
+        return tp_problems(model, tp, tp_kwargs(cfg).get("tp_plan"))
     return []
 
 

@@ -6,6 +6,8 @@ adds the few that only exist in config (scaler settings, multi-node rendezvous).
 
 from __future__ import annotations
 
+from typing import Any
+
 from omegaconf import DictConfig, OmegaConf
 
 from hydraddp.distributed.combinations import Combination, Problem, check_compatibility
@@ -26,6 +28,7 @@ CONFIG_NAMES = {
     "world_size": "launcher.nproc_per_node",
     "nproc_per_node": "launcher.nproc_per_node",
     "batch_size": "data.batch_size",
+    "tp": "mesh.tp",
 }
 
 
@@ -54,6 +57,12 @@ def nproc_per_node(cfg: DictConfig) -> int:
     return launch.local_world_size if launch is not None else cfg.launcher.nproc_per_node
 
 
+def data_parallel_size(cfg: DictConfig) -> int:
+    """The ranks that read different batches: the world over ``mesh.tp`` (a TP group reads one batch)."""
+    tp = cfg.mesh.tp if cfg.wrap.name == "fsdp2" and cfg.mesh.tp > 0 else 1
+    return max(world_size(cfg) // tp, 1)
+
+
 def combination_of(cfg: DictConfig) -> Combination:
     """The core's view of ``cfg``, with this machine's facts, for its rules and for ``resolve_wrap``."""
     names = dict(CONFIG_NAMES)
@@ -70,6 +79,7 @@ def combination_of(cfg: DictConfig) -> Combination:
         nproc_per_node=nproc_per_node(cfg),
         attached=detect_launch_env() is not None,
         global_batch_size=cfg.data.batch_size,
+        data_parallel_size=data_parallel_size(cfg),
         names=names,
     )
 
@@ -101,7 +111,7 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
             f"precision={cfg.precision.name} uses no grad scaler, but {', '.join(scaler_keys)} is set.",
             "Drop the grad scaler settings, or use precision=fp16 (the only mode that scales gradients).",
         ))
-    accumulate, world = cfg.trainer.accumulate_grad_batches, world_size(cfg)
+    accumulate, world = cfg.trainer.accumulate_grad_batches, data_parallel_size(cfg)
     per_rank = cfg.data.batch_size // world if world else 0
     if accumulate > 1 and per_rank and per_rank % accumulate:
         divisors = [d for d in range(2, per_rank + 1) if per_rank % d == 0][:6]
@@ -121,7 +131,7 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
             "Drop wrap.kwargs.use_orig_params (hydraddp then sets it to true), "
             "or set optim.no_decay_norm_and_bias=false.",
         ))
-    found += mesh_problems(cfg, combo or combination_of(cfg))
+    found += mesh_problems(cfg, combo or combination_of(cfg)) + tp_plan_problems(cfg)
     if detect_launch_env() is not None:
         return found  # attached: torchrun/SLURM already decided processes and nodes; the launcher group is unused
     launcher = cfg.launcher
@@ -157,17 +167,44 @@ def mesh_problems(cfg: DictConfig, combo: Combination) -> list[Problem]:
     if not shape.multi_dimensional:
         return []
     wrap = resolve_wrap(combo)
-    if shape.tp > 1:
-        return [Problem(("mesh.tp",), f"mesh.tp={shape.tp}: tensor parallelism is not built yet in this version of "
-                        "hydraddp.", "Set mesh.tp=1; shard with mesh.dp_shard and replicate with mesh.dp_replicate.")]
-    if wrap == "ddp" and shape.dp_replicate == world:
+    if shape.tp > 1 and wrap == "fsdp2":
+        return _tp_problems(cfg, shape, combo)
+    if wrap == "ddp" and shape.dp_replicate == world and shape.tp == 1:
         return []  # DDP is this mesh: every rank a replica
     if wrap != "fsdp2":
-        return [Problem(("mesh.dp_replicate", "wrap"),
-                        f"mesh {shape.describe()} needs wrap=fsdp2: HSDP is FSDP2's fully_shard on a 2-D mesh, and "
-                        f"wrap={wrap} has one data-parallel dimension"
+        keys = ("mesh.tp", "wrap") if shape.tp > 1 else ("mesh.dp_replicate", "wrap")
+        return [Problem(keys,
+                        f"mesh {shape.describe()} needs wrap=fsdp2: HSDP and tensor parallel are built on FSDP2's "
+                        f"fully_shard and a device mesh, and wrap={wrap} has one data-parallel dimension"
                         f"{' (DDP: mesh.dp_replicate equal to the world size)' if wrap == 'ddp' else ''}.",
                         "Use wrap=fsdp2, or leave mesh.* at its defaults.")]
+    return []
+
+
+def _tp_problems(cfg: DictConfig, shape: Any, combo: Combination) -> list[Problem]:
+    """Tensor parallel's own limits: within one node, and a plan given as a mapping."""
+    found = []
+    nproc = combo.nproc_per_node or combo.world_size
+    if shape.tp > nproc:
+        found.append(Problem(("mesh.tp", "launcher.nproc_per_node"),
+                             f"mesh.tp={shape.tp} is more than the {nproc} processes of a node: a TP group "
+                             "exchanges activations at every layer, which only a node's own links are fast enough for.",
+                             f"Set mesh.tp to at most {nproc} (a divisor of it), and shard or replicate across nodes "
+                             "with mesh.dp_shard and mesh.dp_replicate."))
+    plan = cfg.wrap.get("tp_plan")
+    if plan is not None and not (OmegaConf.is_dict(plan) and all(isinstance(v, str) for v in plan.values())):
+        found.append(Problem(("wrap.tp_plan",), f"wrap.tp_plan={plan!r} is not a mapping of module patterns to style "
+                             "names.", "Write it as wrap.tp_plan='{layers.*.q: colwise, layers.*.o: rowwise}'."))
+    return found
+
+
+def tp_plan_problems(cfg: DictConfig) -> list[Problem]:
+    """``wrap.tp_plan`` given where no tensor parallel runs (it would be ignored)."""
+    if cfg.wrap.get("tp_plan") and not (cfg.wrap.name == "fsdp2" and cfg.mesh.tp > 1):
+        return [Problem(("wrap.tp_plan", "mesh.tp"),
+                        f"wrap.tp_plan is set, but tensor parallel does not run (wrap={cfg.wrap.name}, "
+                        f"mesh.tp={cfg.mesh.tp}): the plan would be ignored.",
+                        "Set mesh.tp > 1 under wrap=fsdp2, or drop wrap.tp_plan.")]
     return []
 
 

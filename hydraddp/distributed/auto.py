@@ -12,13 +12,13 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import machine, meta_init, policies, utils, wrappers
+from hydraddp.distributed import machine, meta_init, parallelize, policies, utils, wrappers
 from hydraddp.distributed.mesh import MeshShape
 from hydraddp.distributed.mesh import realized as realized_mesh
 from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
-from hydraddp.distributed.report import ROOT, WrapRecord
+from hydraddp.distributed.report import WrapRecord
 
 log = logging.getLogger(__name__)
 
@@ -40,41 +40,6 @@ def combination_here(**fields: Any) -> Combination:
     # In a worker, which uses CUDA anyway, torch's own count (the launcher counts without touching the driver).
     fields.setdefault("cuda_device_count", torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return machine.combination(has_horovod=ctx.backend() == HOROVOD, **fields)
-
-
-def _checkpoint_blocks(model: nn.Module, realized: str, kwargs: dict[str, Any]) -> list[str]:
-    """Activation checkpointing on each block, before any wrapper sees the model (torchtitan's order). The blocks
-    are the FSDP units (``block_classes``) or the model's own declaration (``fsdp_block_classes``,
-    ``_no_split_modules``)."""
-    classes = kwargs.get("block_classes") if realized in ("fsdp", "fsdp2") else kwargs.pop("block_classes", None)
-    classes = classes or policies.declared_blocks(model)
-    if not classes:
-        raise ConfigurationError(Problem(
-            ("activation_checkpointing",),
-            f"activation checkpointing works per block, and {type(model).__name__} declares none "
-            "(no fsdp_block_classes, no _no_split_modules).",
-            "Name the blocks: block_classes=['MyBlock'] (the app: +wrap.kwargs.block_classes=[MyBlock]), "
-            "or turn activation checkpointing off."))
-    names = policies.checkpoint_blocks(model, classes)
-    if not names:
-        raise ConfigurationError(Problem(
-            ("activation_checkpointing",),
-            f"activation checkpointing found no block of {list(classes)} in {type(model).__name__}.",
-            "Name block classes the model really has, or turn activation checkpointing off."))
-    return names
-
-
-def _compile(model: nn.Module, realized: str, kwargs: dict[str, Any]) -> list[str]:
-    """torch.compile before any wrapper: per block under fsdp2 (torchtitan's rule: each compiled graph stays inside
-    one unit, whose all-gathers FSDP2 runs outside it), else, or when the model declares no blocks, the whole model
-    (under ddp the module DDP calls: its gradient hooks run as each compiled backward accumulates).
-    Returns the compiled modules' names."""
-    classes = (kwargs.get("block_classes") or policies.declared_blocks(model)) if realized == "fsdp2" else ()
-    names = policies.compile_blocks(model, classes) if classes else []
-    if not names:
-        policies.compile_module(model)
-        return [ROOT]
-    return [name.replace("._checkpoint_wrapped_module", "") for name in names]
 
 
 def auto_model(
@@ -132,19 +97,29 @@ def auto_model(
         log.info("Converting BatchNorm to SyncBatchNorm")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
-    checkpointed = _checkpoint_blocks(model, realized, kwargs) if activation_checkpointing else []
-    compiled = _compile(model, realized, kwargs) if compile else []
     # On the model itself, before wrapping: the wrappers call it, DataParallel's replicas copy its hooks, and
     # the FSDPs cast for themselves (their outputs still come back in fp32 from these hooks).
     add_precision_hooks(model, spec, device.type, autocast=realized in ("none", "dp", "ddp", HOROVOD))
     shape = MeshShape.of(kwargs.pop("mesh_shape", None))
-    if realized == "fsdp2":
-        kwargs["mesh_shape"] = shape
-    else:
+    tp_plan = kwargs.pop("tp_plan", None)
+    if realized != "fsdp2":
         _check_flat_mesh(shape, realized, utils.get_world_size())
     on = None if "mesh" in kwargs else realized_mesh(shape, realized, utils.get_world_size())  # a user's own mesh
     mesh = on.describe() if on is not None else None
     log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
+    if realized == "fsdp2":  # TP, activation checkpointing, compile and fully_shard, in that order, on the mesh
+        model, checkpointed, compiled = parallelize.parallelize(
+            model, device, utils.get_world_size(), spec, offload == "cpu", mesh_shape=shape, tp_plan=tp_plan,
+            activation_checkpointing=activation_checkpointing, compile=compile, **kwargs)
+    else:
+        if tp_plan:
+            raise ValueError(f"tp_plan is for tensor parallel, which needs wrap='fsdp2' and a mesh with tp > 1; "
+                             f"wrap={realized!r} was realized. Drop tp_plan, or use wrap='fsdp2'.")
+        # Before any wrapper sees the model (torchtitan's order): the FSDP1 units' classes, else the model's own.
+        blocks = (kwargs.get("block_classes") if realized == "fsdp" else kwargs.pop("block_classes", None)) \
+            or policies.declared_blocks(model)
+        checkpointed = parallelize.apply_ac(model, blocks) if activation_checkpointing else []
+        compiled = parallelize.apply_compile(model, ()) if compile else []  # whole: only fsdp2 compiles per block
     match realized:
         case "none":
             pass
@@ -154,8 +129,6 @@ def auto_model(
             model = wrappers.wrap_ddp(model, device, **kwargs)
         case "fsdp":
             model = wrappers.wrap_fsdp1(model, device, spec, offload == "cpu", **kwargs)
-        case "fsdp2":
-            model = wrappers.wrap_fsdp2(model, device, utils.get_world_size(), spec, offload == "cpu", **kwargs)
         case "horovod":
             model = wrappers.wrap_horovod(model, sync_bn)
     model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed), tuple(compiled),

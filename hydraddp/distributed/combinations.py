@@ -51,6 +51,7 @@ class Combination:
     cuda_device_count: int = 0
     bf16_supported: bool = True
     global_batch_size: int | None = None
+    data_parallel_size: int | None = None  # the ranks that read different batches; None: world_size (no TP)
     has_horovod: bool = False
     has_mpi: bool = False
     # Started by torchrun, srun or mpirun: each process is one rank, and may see only its own GPU.
@@ -169,11 +170,15 @@ def check_compatibility(combo: Combination) -> list[Problem]:
         add(("compile", "wrap"), f"{n('compile')}=true cannot run with wrap={wrap}: {COMPILE_REFUSED[wrap]}",
             f"Use wrap=fsdp2 (compiled per block) or wrap=ddp (the whole model), or set {n('compile')}=false.")
 
-    if combo.global_batch_size is not None and combo.world_size > 1 and combo.global_batch_size % combo.world_size:
-        per_rank = combo.global_batch_size / combo.world_size
+    readers = combo.data_parallel_size or combo.world_size
+    if combo.global_batch_size is not None and readers > 1 and combo.global_batch_size % readers:
+        per_rank = combo.global_batch_size / readers
+        over = (f"{n('world_size')}={combo.world_size} ranks" if readers == combo.world_size else
+                f"the data-parallel degree {readers} (the world size {combo.world_size} over {n('tp')}: the ranks of a "
+                "TP group read one batch)")
         add(("batch_size", "world_size"),
             f"{n('batch_size')}={combo.global_batch_size} is the global batch and does not split evenly over "
-            f"{n('world_size')}={combo.world_size} ranks ({combo.global_batch_size} / {combo.world_size} = {per_rank:g}).",
-            f"Use a multiple of {combo.world_size}, e.g. {n('batch_size')}="
-            f"{(combo.global_batch_size // combo.world_size + 1) * combo.world_size}.")
+            f"{over} ({combo.global_batch_size} / {readers} = {per_rank:g}).",
+            f"Use a multiple of {readers}, e.g. {n('batch_size')}="
+            f"{(combo.global_batch_size // readers + 1) * readers}.")
     return problems

@@ -52,9 +52,26 @@ class MeshShape:
     def multi_dimensional(self) -> bool:
         return self.dp_replicate > 1 or self.tp > 1
 
+    def coordinate(self, rank: int) -> tuple[int, int, int]:
+        """``rank``'s place in the (resolved) mesh: (replica, shard, TP rank); the TP rank varies fastest."""
+        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+
+    def label(self) -> str:
+        """``2x2x1``: the degrees in the order of ``DIMS`` (the compare table's and the plan's column)."""
+        return "x".join(str(getattr(self, name)) for name in DIMS)
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which share of each batch ``rank`` reads: the ranks of one TP group read the same one."""
+        return rank // self.tp
+
     def describe(self) -> str:
         """``dp_replicate=2,dp_shard=2,tp=1``: the ``hydraddp.mesh`` tag."""
         return ",".join(f"{name}={getattr(self, name)}" for name in DIMS)
+
+    @classmethod
+    def parse(cls, described: str) -> MeshShape:
+        """The inverse of ``describe``."""
+        return cls(**{name: int(value) for name, value in (part.split("=") for part in described.split(","))})
 
     @classmethod
     def of(cls, value: Any) -> MeshShape:

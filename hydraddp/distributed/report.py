@@ -57,7 +57,7 @@ class WrapReport:
     compiled: list[str] = field(default_factory=list)  # modules under torch.compile ("<root>": the whole model)
     init_device: str = "cpu"  # "meta": built on the meta device and filled after sharding (meta_init)
     mesh: str | None = None  # "dp_replicate=2,dp_shard=2,tp=1": the mesh the model is wrapped on (fsdp2, ddp)
-    mesh_coordinate: list[int] | None = None  # this rank's place in the sharding mesh (fsdp2)
+    mesh_coordinate: list[int] | None = None  # this rank's place in the mesh: [replica, shard, TP rank] (fsdp2)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,11 +157,15 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         compiled=list(record.compiled) if record is not None else [],
         init_device=record.init_device if record is not None else "cpu",
         mesh=record.mesh if record is not None else None,
-        mesh_coordinate=_coordinate(model) if wrapper == "fsdp2" else None,
+        mesh_coordinate=_coordinate(model, record) if wrapper == "fsdp2" else None,
     )
 
 
-def _coordinate(model: nn.Module) -> list[int] | None:
+def _coordinate(model: nn.Module, record: WrapRecord | None) -> list[int] | None:
+    if record is not None and record.mesh is not None:
+        from hydraddp.distributed.mesh import MeshShape
+
+        return list(MeshShape.parse(record.mesh).coordinate(utils.get_rank()))
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
     coordinate = mesh.get_coordinate() if mesh is not None else None
     return list(coordinate) if coordinate is not None else None

@@ -67,7 +67,7 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
         _active = _SimulatedDistModel(_Topology(rank % nproc, nproc, max(world_size // nproc, 1), rank // nproc),
                                       backend, mesh)
         utils._set_model(_active)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, warnings.catch_warnings():
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, warnings.catch_warnings(), _meshes_unfaked():
             # FSDP1 asks a flat parameter for its address once: harmless here, where nothing is read through it.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield mode
@@ -75,6 +75,27 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
         _active = None
         utils._set_model(utils._SerialModel())
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _meshes_unfaked() -> Iterator[None]:
+    """FSDP2 over TP joins the data-parallel and TP meshes into one (``DeviceMesh._concatenate``), which finds this
+    rank in the joined mesh's rank tensor: values fake tensors do not have. A mesh holds ranks, not model state, so
+    it is made of real tensors here."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def real_concatenate(meshes: list[Any]) -> Any:
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(real_concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
 
 
 class BucketedGradients(nn.Module):

@@ -1,4 +1,5 @@
-"""How to apply each wrapper. ``auto_model`` decides which; these functions only build it.
+"""How to apply each wrapper; ``auto_model`` decides which, these functions only build it (fsdp2's steps, TP
+included, are ``parallelize``'s).
 
 Every function takes the model already on its device and returns the wrapped model. Keyword
 arguments are the wrapper's own, forwarded as given, plus the hydraddp policy keywords
@@ -15,10 +16,8 @@ import torch
 from torch import nn
 
 from hydraddp.distributed import meta_init
-from hydraddp.distributed.mesh import MeshShape, data_parallel
-from hydraddp.distributed.mesh import build as build_mesh
-from hydraddp.distributed.policies import plan_units, resolve_policy
-from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision, fsdp2_mp_policy
+from hydraddp.distributed.policies import resolve_policy
+from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision
 
 T = TypeVar("T")
 
@@ -28,7 +27,7 @@ T = TypeVar("T")
 _REPLACED_PARAMS: dict[int, weakref.ref] = {}
 
 
-def _remember_replaced(params: Iterable[torch.Tensor], wrapped: nn.Module) -> None:
+def remember_replaced(params: Iterable[torch.Tensor], wrapped: nn.Module) -> None:
     """Remember ``params`` (the model's before wrapping) that ``wrapped`` no longer holds. FSDP1 with
     ``use_orig_params=True`` keeps the original parameter objects (their storage becomes views of the flat
     parameter): an optimizer over them trains the wrapped model, and must not be refused."""
@@ -45,7 +44,7 @@ def was_replaced(param: torch.Tensor) -> bool:
 BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
 
 
-def _pop_policy(kwargs: dict[str, Any]) -> Any:
+def pop_policy(kwargs: dict[str, Any]) -> Any:
     return resolve_policy(
         kwargs.pop("auto_wrap_policy", None),
         block_classes=kwargs.pop("block_classes", None),
@@ -84,7 +83,7 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    kwargs["auto_wrap_policy"] = _pop_policy(kwargs)
+    kwargs["auto_wrap_policy"] = pop_policy(kwargs)
     # On CPU FSDP1 must be told device_id=cpu, or it looks for an accelerator.
     kwargs.setdefault("device_id", device)
     # Every rank starts from rank 0's weights, whatever each rank's seed or loaded checkpoint. FSDP1 does that
@@ -107,60 +106,8 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
             kwargs[key] = _enum(enum_cls, kwargs[key])
     before = list(model.parameters())
     wrapped = FSDP(model, **kwargs)
-    _remember_replaced(before, wrapped)
+    remember_replaced(before, wrapped)
     return wrapped
-
-
-def wrap_fsdp2(
-    model: nn.Module, device: torch.device, world_size: int, spec: PrecisionSpec, offload: bool, **kwargs: Any
-) -> nn.Module:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    policy = _pop_policy(kwargs)
-    from hydraddp.distributed import simulated
-
-    planning = simulated.active()  # a plan's mesh was made before its fake tensors, which cannot make one
-    shape = MeshShape.of(kwargs.pop("mesh_shape", None)).resolved(world_size)
-    mesh = kwargs.pop("mesh", None)
-    if mesh is None and shape.multi_dimensional:
-        mesh = data_parallel(planning.mesh if planning else build_mesh(shape, device.type))
-    mesh = mesh or (planning.mesh if planning else init_device_mesh(device.type, (world_size,)))
-    user_mp = kwargs.pop("mp_policy", None)
-    offload_policy = kwargs.pop("offload_policy", None) or (CPUOffloadPolicy() if offload else OffloadPolicy())
-    common = {"mesh": mesh, "offload_policy": offload_policy, **kwargs}
-    unit_mp = user_mp or fsdp2_mp_policy(spec)
-    # The root returns fp32 outputs in mixed modes, so the loss is computed in fp32 as under autocast.
-    root_mp = user_mp or fsdp2_mp_policy(spec, output_dtype=torch.float32 if spec.is_mixed else None)
-
-    def is_sharded(module: nn.Module) -> bool:
-        return isinstance(module, FSDPModule)
-
-    before = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
-    replay = meta_init.replay_of(model)
-    # Over every rank of the data-parallel mesh: its one group, or the world's for HSDP's two dimensions.
-    broadcast_module_states(model, mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD, device)
-    if spec.is_mixed and user_mp is None:
-        # BatchNorm in reduced precision drifts; the known fix is its own unit computing in fp32 (inputs cast
-        # up), whose output is cast back to the compute dtype for the next layer.
-        bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=spec.compute_dtype)
-        for module in model.modules():
-            if isinstance(module, BATCHNORM_TYPES) and not is_sharded(module) and any(True for _ in module.parameters()):
-                fully_shard(module, mp_policy=bn_mp, **common)
-    for name in plan_units(model, policy, skip=is_sharded):
-        module = model.get_submodule(name)
-        if not is_sharded(module):
-            fully_shard(module, mp_policy=unit_mp, **common)
-    if not is_sharded(model):
-        fully_shard(model, mp_policy=root_mp, **common)
-    if replay is not None:
-        # Built on the meta device: each rank now allocates its shards only, then fills them module by module
-        # (one module's full tensors at a time; every rank draws the same values, so nothing is sent).
-        model.to_empty(device="cpu" if offload else device)
-        replay.materialize(model, device)
-    _remember_replaced(before, model)
-    return model
 
 
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024  # per coalesced broadcast (DDP's own module sync sends 250 MB at once)

@@ -12,15 +12,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"model.dim={dim} must be a multiple of model.heads={heads}")
-        self.heads = heads
+        self.heads, self.head_dim = heads, dim // heads
+        # One matmul for q, k and v, laid out head by head (each head's q, k, v rows together), so that tensor
+        # parallel's column split of it gives each rank whole heads. The head count is -1 in forward: a TP rank
+        # holds heads / tp of them.
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class GPTBlock(nn.Module):
@@ -60,6 +63,28 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def tp_plan(self) -> dict[str, object]:
+        """Tensor parallel with sequence parallel (Megatron's, as torchtitan's Llama): attention and MLP split by
+        heads and hidden units (column, then row), and between them the residual stream, norms and dropouts split
+        along the sequence, so that no TP rank holds a whole activation outside a matmul."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel)
+
+        gather_sequence = lambda: PrepareModuleInput(input_layouts=(Shard(1),),  # noqa: E731
+                                                     desired_input_layouts=(Replicate(),))
+        return {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (seq, dim)
+            "blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
+            "blocks.*.attn": gather_sequence(),
+            "blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "blocks.*.mlp": gather_sequence(),
+            "blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),  # every rank: all logits
+        }
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (6 per parameter plus attention), for MFU."""

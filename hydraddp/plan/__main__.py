@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from hydraddp.exit_codes import EXIT_INVALID
-from hydraddp.plan.choose import WRAPS, within_budget, without_wrap
+from hydraddp.plan.choose import WRAPS, within_budget, without_mesh, without_wrap
 from hydraddp.plan.estimate import Estimate
 
 GIB = 1024**3
@@ -81,32 +81,56 @@ def render(est: Estimate, model: str) -> str:
     return "\n".join(lines)
 
 
-def render_table(rows: list[tuple[str, Estimate | None, str | None]], current: str) -> str:
-    lines = ["", "every wrap, at the same settings (per rank)",
-             f"  {'wrap':<8}{'params':>12}{'grads':>12}{'optim':>12}{'activations':>13}{'peak':>12}"]
-    for wrap, est, error in rows:
-        mark = "  <- this config" if wrap == current else ""
+Row = tuple[str, "Estimate | None", "str | None"]  # (what it is, its estimate or None, why it cannot run)
+
+
+def render_table(rows: list[Row], current: str, heading: str = "every wrap, at the same settings (per rank)",
+                 column: str = "wrap") -> str:
+    width = max(8, *(len(label) + 2 for label, _, _ in rows))
+    lines = ["", heading, f"  {column:<{width}}{'params':>12}{'grads':>12}{'optim':>12}{'activations':>13}{'peak':>12}"]
+    for label, est, error in rows:
+        mark = "  <- this config" if label == current else ""
         if est is not None and est.peak_margin_bytes:
             mark += f"  (may be up to {size(est.peak_margin_bytes)} more: {est.unsure[0].split(':')[0]})"
         if est is None:
-            lines.append(f"  {wrap:<8}  cannot run: {error}")
+            lines.append(f"  {label:<{width}}  cannot run: {error}")
             continue
-        lines.append(f"  {wrap:<8}{size(est.param_bytes):>12}{size(est.grad_bytes):>12}{size(est.optim_state_bytes):>12}"
-                     f"{size(est.activation_bytes):>13}{size(est.peak_bytes):>12}{mark}")
+        lines.append(f"  {label:<{width}}{size(est.param_bytes):>12}{size(est.grad_bytes):>12}"
+                     f"{size(est.optim_state_bytes):>12}{size(est.activation_bytes):>13}{size(est.peak_bytes):>12}{mark}")
     return "\n".join(lines)
 
 
-def every_wrap(overrides: list[str], est: Estimate) -> list[tuple[str, Estimate | None, str | None]]:
-    """(wrap, its estimate or None, why it cannot run) for every wrap, at the config's other settings."""
+def _row(label: str, overrides: list[str]) -> Row:
     from hydraddp.distributed.combinations import ConfigurationError
 
+    try:
+        return label, plan_overrides(overrides), None
+    except ConfigurationError as exc:
+        return label, None, str(exc).strip("- \n")
+
+
+def every_wrap(overrides: list[str], est: Estimate) -> list[Row]:
+    """Every wrap at the config's other settings; the others on their own one-dimensional mesh."""
+    return [(wrap, est, None) if wrap == est.wrap else _row(wrap, [*without_wrap(without_mesh(overrides)), f"wrap={wrap}"])
+            for wrap in WRAPS]
+
+
+def mesh_shapes(world_size: int, nproc_per_node: int, nnodes: int) -> list[tuple[int, int]]:
+    """(dp_replicate, tp) worth comparing: TP of every degree within a node, each without and with replicas (one per
+    node across nodes, else two)."""
+    replicas = nnodes if nnodes > 1 else 2
+    return [(replicate, tp) for tp in range(1, nproc_per_node + 1) if nproc_per_node % tp == 0
+            for replicate in (1, replicas) if world_size % (replicate * tp) == 0 and replicate * tp <= world_size]
+
+
+def every_mesh(overrides: list[str], est: Estimate, cfg) -> list[Row]:
+    """fsdp2 on each mesh of ``mesh_shapes`` (the config's own mesh as planned), at the config's other settings."""
     rows = []
-    for wrap in WRAPS:
-        try:
-            other = est if wrap == est.wrap else plan_overrides([*without_wrap(overrides), f"wrap={wrap}"])
-            rows.append((wrap, other, None))
-        except ConfigurationError as exc:
-            rows.append((wrap, None, str(exc).strip("- \n")))
+    for replicate, tp in mesh_shapes(est.world_size, min(cfg.launcher.nproc_per_node, est.world_size),
+                                     cfg.launcher.nnodes):
+        label = f"{replicate}x{est.world_size // (replicate * tp)}x{tp}"
+        shape = [f"mesh.dp_replicate={replicate}", "mesh.dp_shard=-1", f"mesh.tp={tp}"]
+        rows.append((label, est, None) if label == est.mesh else _row(label, [*without_mesh(overrides), *shape]))
     return rows
 
 
@@ -161,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = every_wrap(args.overrides, est)
     print(render_table(rows, est.wrap))
     out = {"plan": est.to_dict(), "wraps": {w: e.to_dict() for w, e, _ in rows if e is not None}}
+    if est.wrap == "fsdp2" and est.world_size > 1:
+        meshes = every_mesh(args.overrides, est, cfg)
+        print(render_table(meshes, est.mesh, "every mesh under fsdp2 (dp_replicate x dp_shard x tp), per rank",
+                           "mesh"))
+        out["meshes"] = {m: e.to_dict() for m, e, _ in meshes if e is not None}
     budget_gb = OmegaConf.select(cfg, "plan.budget_gb")
     code = budget(args.overrides, budget_gb, out) if budget_gb else 0
     if args.json is not None:

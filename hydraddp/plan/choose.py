@@ -40,6 +40,11 @@ def without_wrap(overrides: list[str], checkpointing_too: bool = False) -> list[
     return [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
 
 
+def without_mesh(overrides: list[str]) -> list[str]:
+    """The user's overrides less the mesh's: another wrap runs on its own one-dimensional mesh."""
+    return [o for o in overrides if not o.lstrip("+~").startswith("mesh.")]
+
+
 @dataclass
 class Choice:
     candidate: Candidate

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from hydraddp.distributed.mesh import MeshShape
 from hydraddp.distributed.report import ROOT
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel's defaults): the first bucket is small so the
@@ -61,6 +62,7 @@ class Estimate:
     build_bytes: int = 0
     # model.pretrained: the bytes this rank reads from storage (its own slices of every tensor, in the file's dtype).
     pretrained_read_bytes: int | None = None
+    mesh: str | None = None  # fsdp2's mesh, dp_replicate x dp_shard x tp (``2x2x1``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,13 +113,14 @@ def _first_batch(cfg: DictConfig) -> Any:
     own loader, split as the run splits it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from hydraddp.build import data_mesh
     from hydraddp.config.instantiate import instantiate
     from hydraddp.train import data
 
     with unset_fake_temporarily():
         train_set, _ = instantiate(cfg.data.dataset, "data.dataset")
         # num_workers=0: one batch needs no loader processes.
-        return next(iter(data.train_loader(train_set, cfg.data.batch_size, 0, cfg.trainer.seed)))
+        return next(iter(data.train_loader(train_set, cfg.data.batch_size, 0, cfg.trainer.seed, data_mesh(cfg))))
 
 
 def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
@@ -191,4 +194,5 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,
         activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),
         peak_bytes=peak.peak_bytes, batch_per_rank=batch_per_rank, seconds=time.perf_counter() - started,
-        unsure=unsure, peak_margin_bytes=margin)
+        unsure=unsure, peak_margin_bytes=margin,
+        mesh=MeshShape.of(cfg.mesh).resolved(world_size).label() if realized == "fsdp2" else None)

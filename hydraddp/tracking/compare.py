@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from hydraddp.distributed.mesh import MeshShape
 from hydraddp.tracking import names
 from hydraddp.tracking.per_rank import PER_RANK_KEY, STEP_SUFFIX, TABLE_FILE
 from hydraddp.tracking.run import FINISHED, default_uri, mlflow_client
@@ -148,7 +149,7 @@ def row(run: Compared) -> dict[str, Any]:
         "precision": run.tags.get(names.TAG_PRECISION, "?"),
         "world": int(world) if world.isdigit() else world,
         # dp_replicate x dp_shard x tp, from the hydraddp.mesh tag (fsdp2 and ddp); "-" for the other wraps
-        "mesh": "x".join(part.split("=")[1] for part in run.tags[names.TAG_MESH].split(","))
+        "mesh": MeshShape.parse(run.tags[names.TAG_MESH]).label()
         if names.TAG_MESH in run.tags else None,
         "samples/s": metrics.get(names.SAMPLES_PER_S),
         "max rank p+g+o MiB": max(map(sum, state.values())) / MiB if state else None,

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import hydraddp.distributed as idist
+from hydraddp.distributed.mesh import MeshShape
 from hydraddp.train import rng
 
 log = logging.getLogger("hydraddp.train.loop")
@@ -116,17 +117,25 @@ class RankShard(IterableDataset):
         self._start(state["position"])
 
 
-def train_loader(dataset: Dataset, batch_size: int, num_workers: int, seed: int) -> StatefulDataLoader:
-    """``batch_size`` and ``num_workers`` are global (split over the ranks and the node's processes, as
-    ignite's auto_dataloader splits them). The loader has its own generator, so making an iterator draws
+def readers(mesh: MeshShape | None = None) -> tuple[int, int]:
+    """(this rank's share, how many shares): the data-parallel rank and degree of ``mesh`` (resolved), whose TP
+    groups each read one share; without a mesh, every rank its own."""
+    rank, world = idist.get_rank(), idist.get_world_size()
+    return (mesh.data_parallel_rank(rank), mesh.dp) if mesh is not None else (rank, world)
+
+
+def train_loader(dataset: Dataset, batch_size: int, num_workers: int, seed: int,
+                 mesh: MeshShape | None = None) -> StatefulDataLoader:
+    """``batch_size`` and ``num_workers`` are global (split over the data-parallel ranks (``readers``) and the node's
+    processes, as ignite's auto_dataloader splits them). The loader has its own generator, so making an iterator draws
     nothing from torch's global RNG: a dropout model's random numbers do not depend on when epochs begin."""
-    world, nproc = idist.get_world_size(), idist.get_nproc_per_node()
+    (rank, world), nproc = readers(mesh), idist.get_nproc_per_node()
     workers = _workers(num_workers, nproc)
     settings = {"batch_size": batch_size // world, "num_workers": workers,
                 "pin_memory": idist.device().type == "cuda", "generator": torch.Generator()}
     if isinstance(dataset, IterableDataset):
-        return _stateful_loader(RankShard(dataset, idist.get_rank(), world), drop_last=True, **settings)
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=idist.get_rank(), shuffle=True, seed=seed)
+        return _stateful_loader(RankShard(dataset, rank, world), drop_last=True, **settings)
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     # In the main process (no workers) the checkpoint's own RNG states cover what the dataset draws.
     return _stateful_loader(WorkerRng(dataset) if workers else dataset, sampler=sampler, drop_last=True, **settings)
 
@@ -138,10 +147,10 @@ def _stateful_loader(dataset: Dataset, **settings: Any) -> StatefulDataLoader:
         return StatefulDataLoader(dataset, **settings)
 
 
-def eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoader:
-    world, nproc = idist.get_world_size(), idist.get_nproc_per_node()
+def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, mesh: MeshShape | None = None) -> DataLoader:
+    (rank, world), nproc = readers(mesh), idist.get_nproc_per_node()
     return DataLoader(dataset, batch_size=max(batch_size // world, 1),
-                      sampler=EvalShardSampler(len(dataset), world, idist.get_rank()),
+                      sampler=EvalShardSampler(len(dataset), world, rank),
                       num_workers=_workers(num_workers, nproc),
                       pin_memory=idist.device().type == "cuda")
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.build import flops_per_token as model_flops_per_token
-from hydraddp.build import instantiate_model, wrap_model
+from hydraddp.build import data_mesh, instantiate_model, wrap_model
 from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
 from hydraddp.tracking import names
@@ -70,8 +70,9 @@ class Evaluation(NamedTuple):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None) -> Evaluation:
-    """The task's metrics over the eval set: every rank's sums added in one all-reduce, then summarized.
+def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None, copies: int = 1) -> Evaluation:
+    """The task's metrics over the eval set: every rank's sums added in one all-reduce, then summarized. ``copies``:
+    how many ranks read each batch (the ranks of a TP group), whose sums count once.
 
     Every rank runs the same number of forwards: a sharded model's forward holds collectives (FSDP's all-gathers),
     and a rank that ran out of batches while another still gathered crashed the group (a hang on nccl). A rank
@@ -97,7 +98,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None) -
     # A rank whose shard is empty has no keys yet: every rank reduces the same keys, in the same order.
     keys = sorted({key for rank_keys in idist.all_gather(sorted(sums)) for key in rank_keys})
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    totals = idist.all_reduce(torch.stack([*(sums.get(k, zero) for k in keys), zero + samples])).tolist()
+    totals = (idist.all_reduce(torch.stack([*(sums.get(k, zero) for k in keys), zero + samples])) / copies).tolist()
     return Evaluation(tasks.summarize(task, dict(zip(keys, totals))), int(totals[-1]))
 
 
@@ -143,6 +144,7 @@ class _Parts:
     model_class: str  # what the model's _target_ built, before any wrapper
     train_set: Any
     eval_set: Any
+    tp: int = 1  # the ranks of a TP group, which read (and count) the same batch
 
 
 def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
@@ -168,10 +170,11 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
         pretrained.load(cfg.model.pretrained, model)
         log.info("weights loaded from %s", cfg.model.pretrained)
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
+    mesh = data_mesh(cfg)
     return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
-                  data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed),
-                  data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers), resumed, flops_per_token,
-                  model_class, train_set, eval_set)
+                  data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed, mesh),
+                  data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers, mesh), resumed,
+                  flops_per_token, model_class, train_set, eval_set, mesh.tp if mesh is not None else 1)
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
@@ -267,7 +270,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 _after_measured_step(peak, result, step, events)
             if parts.scheduler is not None:
                 parts.scheduler.step()
-            throughput.count(step, tasks.batch_size(batch) * world)
+            throughput.count(step, tasks.batch_size(batch) * world // parts.tp)  # samples, not copies
             if step == start_step + 1:
                 _after_first_step(parts, result, step, job_dir, events, build_peak)
                 if events is not None:
@@ -278,7 +281,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
             step_log.flush(step, step if stopping else last_step)
             if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step and not stopping:
                 eval_began = time.perf_counter()
-                metrics = evaluate(model, parts.eval_loader, device, task).metrics
+                metrics = evaluate(model, parts.eval_loader, device, task, parts.tp).metrics
                 throughput.leave_out(time.perf_counter() - eval_began)
                 log.info("step %d eval %s", step, _shown(metrics))
                 if events is not None:
@@ -298,7 +301,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     result.steady_samples_per_s = throughput.steady()
     result.losses = step_log.losses
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
-    result.eval_metrics = evaluate(model, parts.eval_loader, device, task).metrics
+    result.eval_metrics = evaluate(model, parts.eval_loader, device, task, parts.tp).metrics
     result.eval_loss, result.eval_accuracy = result.eval_metrics.get("loss"), result.eval_metrics.get("accuracy")
     peaks = idist.all_gather(peak_memory_bytes(device))
     result.peak_memory_bytes = [int(p) for p in peaks]

@@ -18,8 +18,24 @@ def clip(model: nn.Module, max_norm: float) -> None:
 
     if isinstance(model, FullyShardedDataParallel):
         model.clip_grad_norm_(max_norm)  # FSDP1's flat shards need its own norm across ranks
-    else:
+        return
+    by_mesh: dict[Any, list[nn.Parameter]] = {}  # parameters by the mesh they live on (None: plain tensors)
+    for param in model.parameters():
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    if len(by_mesh) <= 1:
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DTensor-aware for FSDP2
+        return
+    # Under tensor parallel, what TP split lives on the (dp, tp) mesh and the rest on dp alone, and torch's norm
+    # cannot mix meshes in one op: each mesh's norm is made whole, they add up as squares, and each mesh's gradients
+    # are scaled by the one total.
+    norms = [nn.utils.get_total_norm([p.grad for p in params]) for params in by_mesh.values()]
+    total = torch.stack([getattr(norm, "full_tensor", lambda n=norm: n)() for norm in norms]).norm()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():  # the plain total against each mesh's DTensors
+        for params in by_mesh.values():
+            nn.utils.clip_grads_with_norm_(params, max_norm, total)
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, grad_clip: float | None,

@@ -152,10 +152,11 @@ def loss_of(name: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)), tokens[:, 1:].reshape(-1))
 
 
-def trained(name: str, model: nn.Module, rank: int = 0, world: int = 1) -> tuple[list[float], nn.Module]:
+def trained(name: str, model: nn.Module, rank: int = 0, world: int = 1, tp: int = 1) -> tuple[list[float], nn.Module]:
     """STEPS SGD steps over the global batches, this rank's share of each; the global loss of each step. (SGD: Adam's
     normalized update turns the last bits of a near-zero gradient, which the reduction order sets, into lr-sized
-    differences of the parameters.)"""
+    differences of the parameters.) Under tensor parallel, ``rank`` and ``world`` are the data-parallel ones: the
+    ``tp`` ranks of a TP group read the same share."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for batch in token_batches():
@@ -163,7 +164,7 @@ def trained(name: str, model: nn.Module, rank: int = 0, world: int = 1) -> tuple
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(idist.all_reduce(loss.detach()) / world) if world > 1 else loss.item())
+        losses.append(float(idist.all_reduce(loss.detach()) / (world * tp)) if world * tp > 1 else loss.item())
     return losses, model
 
 
