@@ -236,12 +236,19 @@ def auto_dataloader(dataset: Dataset, **kwargs: Any) -> TorchDataLoader:
       wrapped by ``DistributedProxySampler``; a ``batch_sampler`` is used as given, with a warning;
     - ``pin_memory`` defaults to True on CUDA.
 
-    hydraddp adds one keyword: ``seed``, the seed of the ``DistributedSampler`` it creates (default 0).
+    hydraddp adds two keywords: ``seed``, the seed of the ``DistributedSampler`` it creates (default 0), and
+    ``mesh_shape``, auto_model's: with tensor parallel the data is split over the data-parallel ranks (the world over
+    ``tp``), each TP group reading one share.
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch for a new order, as with ignite.
     """
     rank, world = utils.get_rank(), utils.get_world_size()
     seed = kwargs.pop("seed", 0)
-    if world > 1:
+    mesh_shape = kwargs.pop("mesh_shape", None)
+    if mesh_shape is not None:
+        shape = MeshShape.of(mesh_shape).resolved(world)
+        rank, world = shape.data_parallel_rank(rank), shape.dp
+    # Several processes read: each its share, in one order (TP alone too: its ranks must read the same batches).
+    if utils.get_world_size() > 1:
         if "batch_size" in kwargs and kwargs["batch_size"] >= world:
             kwargs["batch_size"] //= world
         nproc = utils.get_nproc_per_node()

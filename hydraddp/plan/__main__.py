@@ -54,7 +54,40 @@ def _planned(overrides: tuple[str, ...]) -> Estimate:
         found = model_problems(cfg, list(overrides))
     if found:
         raise ConfigurationError(found)
-    return estimate(cfg, world_size(cfg))
+    return _estimate(cfg, world_size(cfg))
+
+
+class NotPlanned(Exception):
+    """The simulated world could not run this config (its row says why)."""
+
+
+_planned_here = {"multi_dimensional": False}  # whether this process has simulated a world with an N-D mesh
+
+
+def _estimate(cfg, world: int) -> Estimate:
+    """``estimate`` here, or, for an N-D mesh after another, in a process of its own. Torch caches DTensor's work by
+    mesh, and meshes of two fake worlds can be *equal* (the same ranks, the same names): the caches would hand back
+    the earlier world's meshes, whose groups are gone."""
+    import json
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from hydraddp.distributed.mesh import MeshShape
+    from hydraddp.plan.estimate import estimate
+
+    multi = cfg.wrap.name == "fsdp2" and MeshShape.of(cfg.mesh).resolved(world).multi_dimensional
+    if not (multi and _planned_here["multi_dimensional"]):
+        _planned_here["multi_dimensional"] |= multi
+        return estimate(cfg, world)
+    request = json.dumps({"config": OmegaConf.to_container(cfg, resolve=True), "world_size": world})
+    done = subprocess.run([sys.executable, "-m", "hydraddp.plan.record"], input=request, capture_output=True,
+                          text=True, check=False)
+    plan = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else \
+        {"error": f"not planned: the planning process ended with {done.returncode}: {done.stderr[-300:]}"}
+    if "error" in plan:
+        raise NotPlanned(plan["error"])
+    return Estimate.from_dict(plan)
 
 
 def render(est: Estimate, model: str) -> str:
@@ -107,6 +140,8 @@ def _row(label: str, overrides: list[str]) -> Row:
         return label, plan_overrides(overrides), None
     except ConfigurationError as exc:
         return label, None, str(exc).strip("- \n")
+    except NotPlanned as exc:
+        return label, None, str(exc)
 
 
 def every_wrap(overrides: list[str], est: Estimate) -> list[Row]:
@@ -185,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = every_wrap(args.overrides, est)
     print(render_table(rows, est.wrap))
     out = {"plan": est.to_dict(), "wraps": {w: e.to_dict() for w, e, _ in rows if e is not None}}
-    if est.wrap == "fsdp2" and est.world_size > 1:
+    if est.wrap == "fsdp2" and est.world_size > 1 and not cfg.mesh.dp_replicate * cfg.mesh.tp > 1:
+        print("\nother meshes: add mesh.tp=2 (tensor parallel) or mesh.dp_replicate=2 (HSDP) to compare every mesh")
+    elif est.wrap == "fsdp2" and est.world_size > 1:
         meshes = every_mesh(args.overrides, est, cfg)
         print(render_table(meshes, est.mesh, "every mesh under fsdp2 (dp_replicate x dp_shard x tp), per rank",
                            "mesh"))

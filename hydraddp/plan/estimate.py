@@ -67,6 +67,10 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Estimate:
+        return cls(**{**data, "units": [Unit(**unit) for unit in data["units"]]})
+
 
 def _unit_sizes(numel_by_name: dict[str, int], unit_names: list[str]) -> dict[str, int]:
     """Each unit's own parameters: those under its name and not under a nested unit's (the root takes the rest)."""

@@ -206,7 +206,8 @@ def tp_trained(local_rank: int, name: str, mesh_shape: tuple, on_meta: bool) -> 
     report = idist.wrap_report(wrapped)
     shape = MeshShape.of(mesh_shape).resolved(idist.get_world_size())
     losses, wrapped = trained(name, wrapped, idist.get_rank() // shape.tp, shape.dp, shape.tp)
-    return {"losses": losses, "params": {k: v.cpu() for k, v in full_params(wrapped).items()},
+    loader = idist.auto_dataloader(list(range(16)), batch_size=8, shuffle=True, mesh_shape=mesh_shape)
+    return {"losses": losses, "first_batch": next(iter(loader)).tolist(), "params": {k: v.cpu() for k, v in full_params(wrapped).items()},
             "mesh": report.mesh, "mesh_shape": report.mesh_shape, "coordinate": report.mesh_coordinate,
             "local_numel": report.local_numel, "total_numel": report.total_numel}
 
@@ -229,3 +230,7 @@ def test_tensor_parallel_trains_as_one_process_and_says_its_mesh(pools, name, me
         assert seen["coordinate"] == [0, rank // 2, rank % 2]
         # Split two ways by TP (and two more by FSDP): each rank holds about its share of the model.
         assert seen["local_numel"] <= seen["total_numel"] * 2 // world, seen
+    # auto_dataloader(mesh_shape=...): a TP group reads one share of the batch, the data-parallel ranks the others.
+    batches = [out[rank]["first_batch"] for rank in range(0, world, 2)]
+    assert all(out[rank]["first_batch"] == out[rank - 1]["first_batch"] for rank in range(1, world, 2))
+    assert sorted(sum(batches, [])) == sorted(set(sum(batches, []))) and len(sum(batches, [])) == 8

@@ -103,3 +103,20 @@ def test_a_1b_parameter_gpt_is_planned_with_no_memory_of_its_size(tmp_path):
     assert planned["wraps"]["ddp"]["param_bytes"] > 4e9  # 1.04B fp32 parameters, counted, not held
     # The planning process's own peak RSS, in KiB: far below the 16 GiB the plan describes.
     assert int(launched.stdout.strip().splitlines()[-1]) < 2 * 1024**2
+
+
+def test_a_mesh_config_is_planned_on_every_mesh_of_its_world(tmp_path):
+    """mesh.tp=2 at 2 ranks: the config's own plan on its 2-D (dp_shard, tp) mesh, and one row per mesh of the world
+    (1-D fsdp2, HSDP, TP), each planned in its own simulated world."""
+    launched, planned = plan(*GPT, "wrap=fsdp2", "mesh.tp=2", tmp_path=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "every mesh under fsdp2 (dp_replicate x dp_shard x tp), per rank" in launched.stdout
+    meshes = planned["meshes"]
+    assert set(meshes) == {"1x2x1", "2x1x1", "1x1x2"} and planned["plan"]["mesh"] == "1x1x2"
+    assert "1x1x2" in next(line for line in launched.stdout.splitlines() if "<- this config" in line and "x" in line)
+    # Split two ways (by FSDP's shards or by TP's; TP keeps its norms whole) against replicated whole: about half the
+    # parameters per rank.
+    for split in ("1x2x1", "1x1x2"):
+        assert meshes[split]["param_bytes"] <= meshes["2x1x1"]["param_bytes"] * 0.51, split
+    # The data-parallel degree is 1 under TP alone: each rank computes on the whole batch of 32.
+    assert meshes["1x1x2"]["batch_per_rank"] == 32 and meshes["1x2x1"]["batch_per_rank"] == 16
