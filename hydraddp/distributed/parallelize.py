@@ -30,8 +30,6 @@ from hydraddp.distributed.precision import PrecisionSpec, fsdp2_mp_policy
 from hydraddp.distributed.report import ROOT
 from hydraddp.distributed.wrappers import BATCHNORM_TYPES, broadcast_module_states, pop_policy, remember_replaced
 
-log = logging.getLogger(__name__)
-
 
 def parallelize(model: nn.Module, device: torch.device, world_size: int, spec: PrecisionSpec, offload: bool, *,
                 mesh_shape: Any = None, tp_plan: Mapping[str, Any] | None = None,
@@ -63,6 +61,9 @@ def parallelize(model: nn.Module, device: torch.device, world_size: int, spec: P
 def _meshes(shape: MeshShape, user_mesh: Any, device: torch.device, world_size: int) -> tuple[Any, Any]:
     """The data-parallel mesh FSDP2 shards over, and the TP mesh (None without TP)."""
     if user_mesh is not None:
+        if shape.multi_dimensional:
+            raise ValueError(f"mesh= (your own DeviceMesh) and mesh_shape={shape.describe()} both say what to shard "
+                             "over; pass one of them.")
         return user_mesh, None
     planning = simulated.active()  # a plan's mesh was made before its fake tensors, which cannot make one
     if not shape.multi_dimensional:
