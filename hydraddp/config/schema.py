@@ -122,6 +122,8 @@ class CheckpointConfig:
     async_save: bool = True  # periodic checkpoints are written in the background while training goes on
     # Signals that stop the job after a checkpoint every rank writes at the same step (exit 3; submitit requeues)
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
+    # The ranks agree on a signal every this many steps (a host all-reduce): they stop at most this + 1 steps after it
+    preempt_check_every: int = 10
 
 
 @dataclass

@@ -212,7 +212,7 @@ def tp_plan_problems(cfg: DictConfig) -> list[Problem]:
 MINIMUMS = {
     "data.batch_size": 1, "data.eval_batch_size": 1, "data.num_workers": 0, "data.seq_len": 1,
     "trainer.max_steps": 1, "trainer.log_every": 1, "trainer.accumulate_grad_batches": 1, "trainer.eval_every": 0, "trainer.stop_at_step": 1,
-    "checkpoint.every_n_steps": 0, "checkpoint.keep_last": 0, "launcher.max_restarts": 0,
+    "checkpoint.every_n_steps": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_check_every": 1, "launcher.max_restarts": 0,
     "precision.growth_interval": 1, "tracking.per_rank_table_above": 1, "tracking.model.max_copy_mb": 0,
 }
 POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale", "tracking.system_metrics.interval_s")

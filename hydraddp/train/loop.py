@@ -258,7 +258,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config, events,
                          loader_state=batches.state_dict)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
-    with preemption.Preemption(list(cfg.checkpoint.preempt_signals)) as stop:
+    with preemption.Preemption(list(cfg.checkpoint.preempt_signals), cfg.checkpoint.preempt_check_every) as stop:
         for step in range(start_step + 1, last_step + 1):
             batch = tasks.to_device(next(batches), device)
             # The second step, as the plan counts it: optimizer state made, nothing allocated for the first time.
@@ -275,7 +275,7 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
                 _after_first_step(parts, result, step, job_dir, events, build_peak)
                 if events is not None:
                     inputs.record(events, datasets)
-            stopping = stop.agreed()  # every rank the same answer, at the same step
+            stopping = stop.agreed(step)  # every rank the same answer, at the same step
             if step % trainer.log_every == 0 or step == last_step or stopping:
                 step_log.add(step, loss, _perf(throughput, result, batch, parts.flops_per_token, device_flops, world))
             step_log.flush(step, step if stopping else last_step)

@@ -1,9 +1,11 @@
 """Preemption: a signal (SIGTERM, SIGUSR2, ...) asks the job to stop; every rank stops at the same step, together.
 
-A handler only records the signal. At each step's end the ranks agree on whether any of them got one, through an
-all-reduce started at the end of one step and read at the end of the next (it overlaps the step, so it costs no
-wait): every rank then stops after the same step, at most one step after the first signal arrived, writes the
-checkpoint of that step with the others and returns. What happens next is the launcher's: exit with
+A handler only records the signal. Every ``check_every`` steps (``checkpoint.preempt_check_every``) the ranks agree on
+whether any of them got one, through an all-reduce of a flag in host memory, on a gloo group, started at the end of one
+step and read at the end of the next (it overlaps the step, so it costs no wait). Every rank then stops after the same
+step, at most ``check_every + 1`` steps after the first signal arrived, writes the checkpoint of that step with the
+others and returns. Nothing here touches the device: on a GPU, a flag there would make the host wait for the step's
+kernels (``.item()``), and no step that logs nothing may do that. What happens next is the launcher's: exit with
 ``EXIT_PREEMPTED``, or under submitit, requeue (``hydraddp.clusters.submitit``).
 
 Slurm signals a job before it kills it (submitit asks for USR2: NCCL may use USR1); torch's elastic agent passes
@@ -32,18 +34,24 @@ class Preemption:
     """The signals that stop training on this rank, and the ranks' agreement on them. Use as a context manager around
     the loop: the handlers are this rank's while it trains (the main thread only: Python's rule), then restored."""
 
-    def __init__(self, signals: list[str]):
+    def __init__(self, signals: list[str], check_every: int = 1):
         self.signals = signal_numbers(signals)
+        self.check_every = check_every
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         self._pending: tuple[Any, Any] | None = None  # (the all-reduce's handle, its flag tensor)
         self._alone = self._horovod = False
-        self._device: Any = None
+        self._group: Any = None
 
     def __enter__(self) -> Preemption:
         # Read once, not at every step: agreed() runs in the training loop.
         self._alone, self._horovod = idist.get_world_size() == 1, idist.backend() == "horovod"
-        self._device = idist.device()
+        if not (self._alone or self._horovod or not self.signals):
+            import torch.distributed as dist
+
+            # The flag stays in host memory: the default group if it is gloo's, else a gloo group made now (by every
+            # rank: a collective), not the one background checkpoints use from their own thread.
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         if threading.current_thread() is threading.main_thread():
             for number in self.signals:
                 self._previous[number] = signal.signal(number, self._record)
@@ -61,21 +69,27 @@ class Preemption:
             self.received = signum
             log.warning("got %s: stopping after the ranks agree, with a checkpoint", signal.Signals(signum).name)
 
-    def agreed(self) -> bool:
-        """Call at every step's end, on every rank: True once any rank got a signal (the same step on every rank)."""
+    def agreed(self, step: int) -> bool:
+        """Call at every step's end, on every rank: True once any rank got a signal (the same step on every rank).
+        A collective only at a step after a multiple of ``check_every`` (its result read) and at the multiple itself
+        (the next one started)."""
         if self._alone:
             return self.received is not None
+        if not self.signals:
+            return False
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=self._device)
-        if self._horovod:
-            return bool(idist.all_reduce(flag, "MAX").item())  # Horovod: no async handle through idist
-        previous, self._pending = self._pending, (dist.all_reduce(flag, dist.ReduceOp.MAX, async_op=True), flag)
-        if previous is None:
-            return False
-        previous[0].wait()
-        return bool(previous[1].item())
+        stop = False
+        if self._pending is not None and step % self.check_every == 1 % self.check_every:
+            self._pending[0].wait()
+            stop, self._pending = bool(self._pending[1][0]), None
+        if step % self.check_every == 0 and not stop:
+            flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+            if self._horovod:  # no async handle through idist; Horovod's own all-reduce of a host tensor
+                return bool(idist.all_reduce(flag, "MAX")[0])
+            self._pending = (dist.all_reduce(flag, dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return stop
 
 
 def signal_name(number: int) -> str:
