@@ -47,9 +47,11 @@ class Settings:
     big_steps: int = 3
     hf_steps: int = 40
     import_pairs: int = 10
+    loop_steps: tuple[int, int] = (100, 500)  # the loop's own cost: (wall at N2 steps - wall at N1) / (N2 - N1)
 
 
-SMOKE = Settings(pairs=1, steps=12, hidden=(32, 32), big_hidden=(64, 64), big_steps=2, hf_steps=12, import_pairs=1)
+SMOKE = Settings(pairs=1, steps=12, hidden=(32, 32), big_hidden=(64, 64), big_steps=2, hf_steps=12, import_pairs=1,
+                 loop_steps=(5, 15))
 
 
 @dataclass
@@ -91,10 +93,10 @@ def hydraddp_variant(name: str, what: str, settings: Settings, *overrides: str, 
 
 
 def plain_variant(name: str, what: str, settings: Settings, *args: str, nproc: int = NPROC,
-                  env: dict[str, str] | None = None) -> Variant:
+                  env: dict[str, str] | None = None, steps: int | None = None) -> Variant:
     def command(run_dir: Path) -> list[str]:
         launcher = [TORCHRUN, f"--nproc_per_node={nproc}"] if nproc > 1 else [PYTHON]
-        return [*launcher, str(HERE / "plain_torchrun.py"), "--steps", str(settings.steps),
+        return [*launcher, str(HERE / "plain_torchrun.py"), "--steps", str(steps or settings.steps),
                 "--hidden", *map(str, settings.hidden), "--out", str(run_dir / "result.json"), *args]
 
     return Variant(name, what, command, lambda run_dir: run_dir / "result.json", env or {})
@@ -174,6 +176,13 @@ def groups(settings: Settings, db_uri: str) -> dict[str, list[Variant]]:
             hydraddp_variant("hydraddp-fsdp", "hydraddp wrap=fsdp (FSDP1)", settings, "wrap=fsdp", off),
         ],
         "hf": hf_variants(settings),
+        # One process, one thread, the same work (tracking off, evaluation only at the end), at two lengths: the
+        # difference of the wall times is the steps' own cost, with start-up and the final evaluation cancelled.
+        "loop": [variant for steps in settings.loop_steps for variant in (
+            plain_variant(f"plain-1proc-{steps}", f"plain script, one process, one thread, {steps} steps", settings,
+                          "--wrap", "none", nproc=1, env=one_thread, steps=steps),
+            hydraddp_variant(f"hydraddp-1proc-{steps}", f"hydraddp backend=none, one process, {steps} steps",
+                             settings, "backend=none", "wrap=none", off, nproc=1, env=one_thread, steps=steps))],
         "memory": [
             hydraddp_variant(f"hydraddp-{wrap}-100M", f"hydraddp wrap={wrap}, ~100M-parameter MLP", settings,
                              f"wrap={wrap}", off, "trainer.log_every=1", hidden=settings.big_hidden,
@@ -258,8 +267,15 @@ def ceilings(r: dict[str, list[Measurement]], allreduce_s: list[float], one: str
             (workload.BATCH_PER_RANK / m.steady_samples_per_s + cost) for m, cost in zip(r.get(one, []), allreduce_s)]
 
 
+def step_seconds(r: dict[str, list[Measurement]], program: str, steps: tuple[int, int]) -> list[float]:
+    """Per round, ``program``'s seconds per step measured from outside: the wall time of the long run less the short
+    run's, over the steps between (start-up and the final evaluation are in both)."""
+    short, long = (r.get(f"{program}-{n}", []) for n in steps)
+    return [(b.wall_s - a.wall_s) / (steps[1] - steps[0]) for a, b in zip(short, long)]
+
+
 def figures(r: dict[str, list[Measurement]], imports: dict[str, list[float]],
-            allreduce_s: list[float] | None = None) -> list[Figure]:
+            allreduce_s: list[float] | None = None, loop_steps: tuple[int, int] = Settings.loop_steps) -> list[Figure]:
     def per_round(a: str, b: str, fa: Callable, fb: Callable | None = None) -> list[float]:
         return [fa(x) / (fb or fa)(y) for x, y in zip(r.get(a, []), r.get(b, []))]
 
@@ -268,6 +284,10 @@ def figures(r: dict[str, list[Measurement]], imports: dict[str, list[float]],
     max_shard = lambda m: max(m.shard_bytes)  # noqa: E731
     max_peak = lambda m: max(m.peak_memory_bytes)  # noqa: E731
     every = [
+        Figure("loop_cost", f"seconds per step, one process (wall at {loop_steps[1]} - at {loop_steps[0]} steps): "
+               "hydraddp / plain", "<= 1.03",
+               [a / b for a, b in zip(step_seconds(r, "hydraddp-1proc", loop_steps),
+                                      step_seconds(r, "plain-1proc", loop_steps))]),
         Figure("steady_ddp", "samples/s, ddp: hydraddp / plain", ">= 0.99", per_round("hydraddp-ddp", "plain-ddp", steady)),
         Figure("steady_fsdp2", "samples/s, fsdp2 (same units): hydraddp / plain", ">= 0.99",
                per_round("hydraddp-fsdp2", "plain-fsdp2-root", steady)),
@@ -439,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    figs = figures(results, imports, allreduce_s)
+    figs = figures(results, imports, allreduce_s, settings.loop_steps)
     info = machine()
     header = (f"Measured {info['date']} on {info['cpu']} ({info['cores']} cores), Python {info['python']}, "
               f"torch {info['torch']}, hydraddp {info['commit']}; CPU, gloo, {NPROC} ranks; "
