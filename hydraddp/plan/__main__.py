@@ -43,7 +43,6 @@ def _planned(overrides: tuple[str, ...]) -> Estimate:
     from hydraddp.config.compose import compose
     from hydraddp.config.validate import combination_of, problems, resolve_backend, world_size
     from hydraddp.distributed.combinations import ConfigurationError
-    from hydraddp.plan.estimate import estimate
 
     cfg = compose(list(overrides))
     cfg.backend.name = resolve_backend(cfg.backend.name)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 
 CHECK_EVERY, STEPS = 5, 14
 
@@ -67,7 +66,7 @@ def test_a_step_that_logs_nothing_sends_the_gradient_reduction_alone(pools):
     })[0]
     # Step 1 (the report's gathers) and the last (the logged step, the final evaluation) do more; every other step is
     # what a long run repeats.
-    quiet = [step for step in range(3, STEPS)]
+    quiet = range(3, STEPS)
     # The step's own collectives: DDP's all-reduce of its one gradient bucket; FSDP2's all-gathers of each unit's
     # parameters (forward and backward) and reduce-scatters of its gradients.
     reduction = {"ddp": {"allreduce_"}, "fsdp2": {"_allgather_base_", "_reduce_scatter_base_"}}
