@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from hydraddp.config.compose import compose
     from hydraddp.distributed.combinations import ConfigurationError
     from hydraddp.distributed.machine import cpu_has_fast_bf16, precision_warnings
+    from hydraddp.distributed.mesh import MeshShape
 
     try:
         cfg = compose(args.overrides)
@@ -219,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = every_wrap(args.overrides, est)
     print(render_table(rows, est.wrap))
     out = {"plan": est.to_dict(), "wraps": {w: e.to_dict() for w, e, _ in rows if e is not None}}
-    if est.wrap == "fsdp2" and est.world_size > 1 and not cfg.mesh.dp_replicate * cfg.mesh.tp > 1:
+    several_meshes = est.wrap == "fsdp2" and est.world_size > 1
+    if several_meshes and not MeshShape.of(cfg.mesh).multi_dimensional:
         print("\nother meshes: add mesh.tp=2 (tensor parallel) or mesh.dp_replicate=2 (HSDP) to compare every mesh")
-    elif est.wrap == "fsdp2" and est.world_size > 1:
+    elif several_meshes:
         meshes = every_mesh(args.overrides, est, cfg)
         print(render_table(meshes, est.mesh, "every mesh under fsdp2 (dp_replicate x dp_shard x tp), per rank",
                            "mesh"))
