@@ -1,15 +1,23 @@
-# The hydraddp image: the trainer nodes and the MLflow server of docker-compose.yml run it.
-FROM python:3.11-slim
+# The hydraddp image: the MLflow server and the trainer nodes of docker-compose.yml run it (one image, built once).
+# Build arguments, each with the default a user with Docker Hub wants:
+# - BASE_IMAGE: any Debian-like image with python3.10+ and pip on PATH (scripts/compose_test.sh builds one locally).
+# - TORCH_SPEC: torch first and pinned. On x86_64 Linux PyPI's torch is a CUDA build; pass a CPU wheel index for a
+#   smaller image (--build-arg TORCH_SPEC="torch==2.13.0 --index-url <CPU wheel index>").
+# - EXTRA_CA_CERTS: PEM certificates pip must trust besides the usual ones (a TLS-inspecting proxy's); empty: none.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 WORKDIR /app
-# torch first and pinned. On x86_64 Linux PyPI's torch is a CUDA build; pass a CPU wheel index in
-# TORCH_SPEC (e.g. --build-arg TORCH_SPEC="torch==2.13.0 --index-url <CPU wheel index>") for a smaller image.
+ARG EXTRA_CA_CERTS=""
+RUN if [ -n "$EXTRA_CA_CERTS" ]; then \
+      printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/build-extra.crt && update-ca-certificates; \
+    fi
 ARG TORCH_SPEC="torch==2.13.0"
-RUN pip install --no-cache-dir $TORCH_SPEC
+RUN pip install --no-cache-dir ${EXTRA_CA_CERTS:+--cert /etc/ssl/certs/ca-certificates.crt} $TORCH_SPEC
 COPY pyproject.toml README.md ./
 COPY hydraddp ./hydraddp
 COPY conf ./conf
 COPY experiments ./experiments
-# psycopg2 lets the MLflow server use the PostgreSQL backend store.
-RUN pip install --no-cache-dir . psycopg2-binary
+# psycopg2 is the driver docker-compose.yml's backend store URI names (postgresql+psycopg2://).
+RUN pip install --no-cache-dir ${EXTRA_CA_CERTS:+--cert /etc/ssl/certs/ca-certificates.crt} . psycopg2-binary
 ENV PYTHONUNBUFFERED=1
 CMD ["python", "-m", "hydraddp", "--help"]

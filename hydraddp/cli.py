@@ -164,7 +164,10 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
 
         retire_marker(plan.job_dir)  # a rerun in this directory starts afresh
         (plan.job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
-        run = f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker else ""
+        run = ""
+        if tracker:  # a server that refused every request left no run: never "MLflow run None"
+            run = (f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker.run_id else
+                   f" No MLflow run could be created at {tracker.uri}; the points are kept in {tracker.events_path}.")
         evaluated = ", ".join(f"eval {name} {value:.3f}" for name, value in result["eval_metrics"].items())
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
               f"{result['final_loss']:.4f}, {evaluated}, "

@@ -23,7 +23,7 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     ``events_path`` is where the tracker reads MLflow events; local rank 0 of the node that tracks writes them.
     """
     from hydraddp.tracking.events import EventWriter
-    from hydraddp.tracking.node import write_node_file
+    from hydraddp.tracking.node import NODE_DIR_ENV, write_node_file
     from hydraddp.train import train
     from hydraddp.train.logs import FILE_ONLY, setup_rank_logging
 
@@ -37,12 +37,14 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
         # Every rank reads the agreed directory (under torchrun the others composed in "."): all resume, or none.
         resume = resume_point(Path(job_dir))[0]
     plain_cfg = {**plain_cfg, "checkpoint": {**plain_cfg["checkpoint"], "resume": resume}}
-    if idist.get_local_rank() == 0 and (not attached or idist.get_rank() == 0):
-        # Which ranks ran on this node, for its tracker to upload their logs (attached, the other nodes' ranks
-        # composed in ".", the user's directory: nothing is written there).
+    if idist.get_local_rank() == 0:
+        # Which ranks ran on this node, for its tracker to upload their logs. Attached, the other nodes' ranks
+        # composed in ".", the user's directory: their node file goes where this process's node tracker looks.
+        node_dir = own_job_dir if not attached or idist.get_rank() == 0 else os.environ.get(NODE_DIR_ENV)
+        node = idist.get_node_rank() if attached else plain_cfg["launcher"]["node_rank"]
         first = idist.get_rank() - idist.get_local_rank()
-        node = 0 if attached else plain_cfg["launcher"]["node_rank"]
-        write_node_file(Path(own_job_dir), node, Path(job_dir), list(range(first, first + idist.get_nproc_per_node())))
+        if node_dir:
+            write_node_file(Path(node_dir), node, Path(job_dir), list(range(first, first + idist.get_nproc_per_node())))
     setup_rank_logging(idist.get_rank(), Path(job_dir))
     log.info("rank %d pid %d", idist.get_rank(), os.getpid())
     events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None

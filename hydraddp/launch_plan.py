@@ -181,7 +181,7 @@ def _tracking_problems(cfg: DictConfig) -> list[Problem]:
     if not unreachable:
         return []
     return [Problem(("tracking.uri",), f"tracking.uri: {unreachable}.",
-                    "Start the server, point tracking.uri at a running one, or set tracking.enabled=false.")]
+                    "Start the server, point tracking.uri at one that serves it, or set tracking.enabled=false.")]
 
 
 def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:

@@ -1,5 +1,6 @@
-"""docker-compose.yml, checked statically (no Docker engine here): it parses, its trainer commands are valid
-hydraddp command lines (composed with Hydra), and its ports, hosts and URIs agree with each other."""
+"""docker-compose.yml, checked statically: it parses, its trainer commands are valid hydraddp command lines (composed
+with Hydra), and its ports, hosts, URIs and drivers agree with each other and with MLflow's and SQLAlchemy's own rules.
+scripts/compose_test.sh brings the stack up for real (in .ci/run, after this suite)."""
 
 import re
 import subprocess
@@ -51,7 +52,7 @@ def test_mlflow_is_published_on_loopback_and_uses_postgres_and_a_volume():
     command = mlflow["command"]
     backend = command[command.index("--backend-store-uri") + 1]
     env = env_example()
-    assert backend == f"postgresql://{env['POSTGRES_USER']}:{env['POSTGRES_PASSWORD']}@postgres:5432/{env['POSTGRES_DB']}"
+    assert backend == f"postgresql+psycopg2://{env['POSTGRES_USER']}:{env['POSTGRES_PASSWORD']}@postgres:5432/{env['POSTGRES_DB']}"
     assert command[command.index("--artifacts-destination") + 1] == "/mlartifacts"
     assert "mlartifacts:/mlartifacts" in mlflow["volumes"]
     container_port = command[command.index("--port") + 1]
@@ -82,4 +83,35 @@ def test_the_image_installs_the_project():
     assert 'ARG TORCH_SPEC="torch==2.13.0"' in dockerfile
     for path in ("hydraddp", "conf", "experiments"):
         assert f"COPY {path} ./{path}" in dockerfile
-    assert "psycopg2-binary" in dockerfile
+
+
+# What SQLAlchemy's dialect loads for a backend store URI, and the pip requirement that installs it.
+DRIVER_REQUIREMENTS = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]"}
+
+
+def test_the_image_installs_the_driver_the_backend_store_uri_loads():
+    """A bare postgresql:// is psycopg 3 under SQLAlchemy 2.1: the server exited 1 on an image with psycopg2 alone."""
+    from sqlalchemy.engine import make_url
+
+    command = compose_file()["services"]["mlflow"]["command"]
+    driver = make_url(command[command.index("--backend-store-uri") + 1]).get_dialect().driver
+    install = next(line for line in (REPO / "Dockerfile").read_text().splitlines() if " . " in line and "pip" in line)
+    assert DRIVER_REQUIREMENTS[driver] in install.split(), (driver, install)
+
+
+def test_the_server_accepts_the_host_names_its_clients_use():
+    """MLflow 3 refuses (403) a Host header that is not localhost or a private address unless --allowed-hosts names
+    it: the trainers reach the server as mlflow:PORT, the user's browser as 127.0.0.1:MLFLOW_PORT."""
+    from urllib.parse import urlsplit
+
+    from mlflow.server.security import get_default_allowed_hosts
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    services, env = compose_file()["services"], env_example()
+    command = services["mlflow"]["command"]
+    allowed = (command[command.index("--allowed-hosts") + 1].split(",") if "--allowed-hosts" in command
+               else get_default_allowed_hosts())
+    clients = {urlsplit(compose(torchrun_flags(services[t]["command"])[1]).tracking.uri).netloc
+               for t in ("trainer0", "trainer1")}
+    for host in (*clients, f"127.0.0.1:{env['MLFLOW_PORT']}", f"localhost:{env['MLFLOW_PORT']}"):
+        assert is_allowed_host_header(allowed, host), (host, allowed)

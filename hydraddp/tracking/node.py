@@ -27,6 +27,7 @@ from hydraddp.tracking import names
 log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
 RUN_POLL_S = 2.0  # how often a node asks the server for the launch's run until it exists
+NODE_DIR_ENV = "HYDRADDP_NODE_DIR"  # attached: where this node's local rank 0 writes the node file (``for_launch``)
 
 
 def write_node_file(own_job_dir: Path, node: int, agreed_job_dir: Path, ranks: list[int]) -> None:
@@ -64,36 +65,51 @@ def find_run(client: Any, experiment: str, job_dir: str) -> str | None:
 
 def for_launch(plan: Any, tracker: Any) -> NodeTracker | None:
     """This node's process, started, on every node but node 0 (whose ``tracker`` keeps the run) of a launch over
-    several nodes that hydraddp's launchers started (attached to torchrun or Slurm, the other nodes have no launcher
-    of ours). ``finish()`` it when the launch ended."""
+    several nodes. ``finish()`` it when the launch ended.
+
+    Under hydraddp's launchers it is each node's launcher that starts it. Attached to torchrun or Slurm there is no
+    launcher of ours: each node's local rank 0 starts it, beside itself. Its ranks composed in the user's directory,
+    where nothing is written, so the node file goes to a private directory (``NODE_DIR_ENV``) that ``finish`` removes.
+    """
     from hydraddp.distributed.env import detect_launch_env
 
-    launcher, tracking = plan.config["launcher"], plan.config["tracking"]
-    if not tracking["enabled"] or launcher["nnodes"] < 2 or detect_launch_env() is not None:
+    if not plan.config["tracking"]["enabled"] or tracker is not None:
         return None
-    if tracker is not None:
-        return None
-    node = NodeTracker(settings_for(plan))
+    attached = detect_launch_env()
+    if attached is None:
+        if plan.config["launcher"]["nnodes"] < 2:
+            return None
+        node = NodeTracker(settings_for(plan, plan.config["launcher"]["node_rank"], plan.job_dir))
+    else:
+        if attached.nnodes < 2 or attached.local_rank != 0 or attached.node_rank == 0:
+            return None
+        import tempfile
+
+        node_dir = Path(tempfile.mkdtemp(prefix=f"hydraddp-node{attached.node_rank}-"))
+        os.environ[NODE_DIR_ENV] = str(node_dir)  # read by this process's worker (``hydraddp.launch.worker``)
+        node = NodeTracker(settings_for(plan, attached.node_rank, node_dir), private_dir=node_dir)
     node.start()
     return node
 
 
-def settings_for(plan: Any) -> dict[str, Any]:
-    """A node process's settings, from the launch's plan on that node."""
+def settings_for(plan: Any, node: int, job_dir: Path) -> dict[str, Any]:
+    """A node process's settings, from the launch's plan on that node; ``job_dir`` is where it finds the node file."""
     from hydraddp.tracking.run import default_uri
 
     tracking = plan.config["tracking"]
-    return {"uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(plan.job_dir),
-            "node": plan.config["launcher"]["node_rank"], "system_metrics": dict(tracking["system_metrics"]),
+    return {"uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(job_dir),
+            "node": node, "system_metrics": dict(tracking["system_metrics"]),
             "continued": bool(plan.resumes or tracking["run_id"]), "upload_timeout_s": tracking["flush_timeout_s"]}
 
 
 class NodeTracker:
     """A node's launcher (not node 0's) and its node process: ``start`` before the launch, ``finish`` after it."""
 
-    def __init__(self, settings: dict[str, Any]):
-        """``settings``: uri, job_dir (this launcher's), node, system_metrics ({enabled, interval_s}), continued."""
+    def __init__(self, settings: dict[str, Any], private_dir: Path | None = None):
+        """``settings``: uri, job_dir (this launcher's), node, system_metrics ({enabled, interval_s}), continued.
+        ``private_dir``: removed by ``finish``."""
         self.settings = settings
+        self._private_dir = private_dir
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -114,6 +130,10 @@ class NodeTracker:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        if self._private_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 def _wait_for_run(settings: dict[str, Any], ended: threading.Event) -> tuple[str | None, Path]:

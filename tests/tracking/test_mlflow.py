@@ -132,6 +132,18 @@ def test_an_unreachable_server_is_a_clear_error_before_anything_starts(tmp_path)
     assert job_dirs(tmp_path) == []
 
 
+def test_a_server_that_refuses_the_api_is_a_clear_error_before_any_rank_trains(mlflow_server, tmp_path):
+    # The test server allows only localhost Host headers (MLflow 3's default), as the compose stack's server did for
+    # "mlflow:5000". 127.1 is the loopback address spelled otherwise: /health answers (it is exempt), the API is 403.
+    uri = mlflow_server.uri.replace("127.0.0.1", "127.1")
+    done = run_cli(f"tracking.uri={uri}", *QUICK, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (f"tracking.uri: the MLflow server at {uri} answers /health but refuses its API with HTTP 403: "
+            "'Invalid Host header - possible DNS rebinding attack detected'; start the server with --allowed-hosts "
+            "naming the host and port in tracking.uri") in done.stderr
+    assert "Traceback" not in done.stderr and job_dirs(tmp_path) == []  # no rank started, nothing half-written
+
+
 def test_tracking_disabled_logs_nothing(tmp_path):
     done = run_cli("tracking.enabled=false", *QUICK, cwd=tmp_path)
     assert done.returncode == 0

@@ -88,6 +88,28 @@ def test_the_source_tags_name_the_users_commit_dirty_tree_and_entry_point(two_no
     assert tags[names.TAG_WORLD_SIZE] == "4"
 
 
+def test_under_torchrun_on_two_hosts_both_nodes_system_metrics_and_logs_reach_the_run(mlflow_server, tmp_path):
+    """As docker-compose.yml runs it: one torchrun per host, no launcher of ours. Node 1's local rank 0 keeps its
+    node's part (it once had none: only system/node0/* reached the run)."""
+    experiment, endpoint = f"torchrun-nodes-{uuid.uuid4().hex[:6]}", f"127.0.0.1:{rendezvous_port()}"
+    for node in (0, 1):
+        (tmp_path / f"host{node}").mkdir()
+    nodes = run_together([([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                            f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+                            f"--rdzv_id={experiment}", "-m", "hydraddp", "backend=gloo", "wrap=fsdp2",
+                            "tracking.system_metrics.interval_s=1", *QUICK, NO_PLAN, *tracked(mlflow_server, experiment)],
+                           tmp_path / f"host{node}") for node in (0, 1)], timeout=300)
+    assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-3000:] for n in nodes]
+    [run] = runs_of(mlflow_server, experiment)
+    assert run.info.status == "FINISHED" and run.data.tags[names.TAG_WORLD_SIZE] == "2"
+    for node in ("node0", "node1"):
+        assert f"system/{node}/cpu_utilization_percentage" in run.data.metrics, \
+            sorted(k for k in run.data.metrics if k.startswith("system/"))
+    client = mlflow_server.client()
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "logs/node1")] == ["logs/node1/rank1.log"]
+    assert list((tmp_path / "host1").iterdir()) == []  # node 1 composed in the user's directory: nothing written there
+
+
 def test_a_template_with_an_unknown_field_exits_2_naming_it(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hydraddp", 'tracking.run_name="{wrap}-{branch}"'], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
