@@ -18,21 +18,6 @@ case "$command" in
   *) echo "usage: bash scripts/dev.sh run|test [args]" >&2; exit 2 ;;
 esac
 
-if [ ! -x "$VENV/bin/python" ]; then
-  "${PYTHON:-python3}" -m venv "$VENV"
-fi
-stamp="$VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)-${command}"
-if [ ! -f "$stamp" ]; then
-  # Bytecode is compiled once at the end, on every core: pip compiles one file at a time (about 65 s of the setup
-  # here). Not left to the first imports: PYTHONDONTWRITEBYTECODE=1, which some machines set, would then make every
-  # process compile what it imports again. (Like pip, a file that does not compile is skipped.)
-  "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
-  # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
-  "$VENV/bin/python" -m pip install -q --no-compile -e ".${extras}" "$TORCH_SPEC"
-  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
-    > /dev/null || true
-  touch "$stamp"
-fi
 
 # torchvision must be the build made for its torch, and the registry has none for the CPU torch above (its
 # torchvision 0.28.0 is a CUDA build: "operator torchvision::nms does not exist"). A second venv holds a pair
@@ -55,18 +40,38 @@ vision_tests() {
   "$VISION_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vision
 }
 
+# tests/vision runs beside everything else (its own venv, its own processes), and is waited for at the end. It starts
+# first, at low priority: its venv is downloads and unpacking, which the main setup's Horovod build leaves room for.
+if [ "$command" = test ] && [ "${HYDRADDP_VISION_TESTS:-1}" = 1 ]; then
+  vision_log=$(mktemp)
+  vision_tests > "$vision_log" 2>&1 &
+  vision_pid=$!
+  renice -n 10 -p "$vision_pid" > /dev/null
+  trap 'kill "$vision_pid" 2> /dev/null || true' EXIT  # a setup that fails leaves nothing running
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+stamp="$VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)-${command}"
+if [ ! -f "$stamp" ]; then
+  # Bytecode is compiled once at the end, on every core: pip compiles one file at a time (about 65 s of the setup
+  # here). Not left to the first imports: PYTHONDONTWRITEBYTECODE=1, which some machines set, would then make every
+  # process compile what it imports again. (Like pip, a file that does not compile is skipped.)
+  "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
+  # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
+  "$VENV/bin/python" -m pip install -q --no-compile -e ".${extras}" "$TORCH_SPEC"
+  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+    > /dev/null || true
+  touch "$stamp"
+fi
+
 case "$command" in
   run) exec "$VENV/bin/python" -m hydraddp "$@" ;;
   test)
     # The Horovod tests run for real: build it (once; later calls find it, or its cached wheel).
     PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh
     status=0
-    # tests/vision runs beside the main suite (its own venv, its own processes), and is waited for at the end.
-    if [ "${HYDRADDP_VISION_TESTS:-1}" = 1 ]; then
-      vision_log=$(mktemp)
-      vision_tests > "$vision_log" 2>&1 &
-      vision_pid=$!
-    fi
     # Two pytest-xdist workers (this machine's cores), a file each at a time (a file's launches share its module
     # fixtures), the longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order); the 25
     # slowest tests are printed. HYDRADDP_TEST_WORKERS=1 runs one file at a time.
