@@ -73,7 +73,8 @@ REFUSAL_FIXES = {
     401: "give MLflow's credentials (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN)",
     403: "start the server with --allowed-hosts naming the host and port in tracking.uri (MLflow 3 accepts only "
          "localhost and private addresses by default), or give credentials that may use it",
-    404: "tracking.uri must be the server's root (http://HOST:PORT), with no path after it",
+    404: "tracking.uri must be where the server serves MLflow's API: http://HOST:PORT, plus the server's "
+         "--static-prefix if it has one",
 }
 
 
