@@ -58,7 +58,21 @@ if [ ! -f "$stamp" ]; then
   # Bytecode is compiled once at the end, on every core: pip compiles one file at a time (about 65 s of the setup
   # here). Not left to the first imports: PYTHONDONTWRITEBYTECODE=1, which some machines set, would then make every
   # process compile what it imports again. (Like pip, a file that does not compile is skipped.)
-  "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
+  if [ "$command" = test ] && ! "$VENV/bin/python" -c 'import horovod.torch' 2> /dev/null; then
+    # Horovod compiles against torch for minutes: its build starts once torch (and what its setup.py imports) is in,
+    # and runs beside the second pip call, which is mostly downloads. It only fills the wheel cache; the install
+    # itself (a pip call too) comes after, below.
+    # (numpy too: torch imports it when it can, and the build imports torch while the second call installs things.)
+    horovod_deps=$(sed -n 's/^HOROVOD_BUILD_DEPS="\(.*\)"$/\1/p' scripts/install_horovod.sh)
+    command -v cmake > /dev/null || horovod_deps="$horovod_deps cmake"
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC" numpy $horovod_deps
+    horovod_log=$(mktemp)
+    HOROVOD_BUILD_ONLY=1 PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh > "$horovod_log" 2>&1 &
+    horovod_build=$!
+  else
+    "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
+  fi
   # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
   "$VENV/bin/python" -m pip install -q --no-compile -e ".${extras}" "$TORCH_SPEC"
   "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
@@ -70,6 +84,10 @@ case "$command" in
   run) exec "$VENV/bin/python" -m hydraddp "$@" ;;
   test)
     # The Horovod tests run for real: build it (once; later calls find it, or its cached wheel).
+    if [ -n "${horovod_build:-}" ]; then
+      wait "$horovod_build" || { cat "$horovod_log" >&2; exit 1; }
+      cat "$horovod_log"
+    fi
     PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh
     status=0
     # Two pytest-xdist workers (this machine's cores), a file each at a time (a file's launches share its module

@@ -3,10 +3,12 @@
 #   bash scripts/install_horovod.sh                  # into .venv (else python3)
 #   PYTHON=/path/to/python bash scripts/install_horovod.sh
 # Built wheels are kept in $HYDRADDP_WHEEL_CACHE (per horovod/torch/python version): reruns take seconds.
+#   HOROVOD_BUILD_ONLY=1 ...   # build the wheel into that cache, install nothing (scripts/dev.sh: beside its pip)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 HOROVOD_VERSION=0.28.1
+HOROVOD_BUILD_DEPS="setuptools wheel packaging psutil pyyaml cloudpickle cffi>=1.4.0"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -30,7 +32,8 @@ cache="${HYDRADDP_WHEEL_CACHE:-$HOME/.cache/hydraddp/wheels}/horovod-$HOROVOD_VE
 
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 # Runtime deps, plus what setup.py needs with --no-build-isolation (it never fetches them itself).
-"$PYTHON" -m pip install -q setuptools wheel packaging psutil pyyaml cloudpickle 'cffi>=1.4.0'
+# (Installed by scripts/dev.sh's first pip call, before it starts a build-only run beside its second one.)
+[ "${HOROVOD_BUILD_ONLY:-0}" = 1 ] || "$PYTHON" -m pip install -q $HOROVOD_BUILD_DEPS
 
 wheel=$(ls "$cache"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || true)
 if [ -z "$wheel" ]; then
@@ -56,6 +59,7 @@ if [ -z "$wheel" ]; then
 else
   echo "Using cached wheel $wheel"
 fi
+[ "${HOROVOD_BUILD_ONLY:-0}" = 1 ] && exit 0
 "$PYTHON" -m pip install -q --force-reinstall --no-deps "$wheel" || die "installing $wheel failed"
 
 # horovodrun must report both the PyTorch framework and the Gloo controller as built.
