@@ -55,9 +55,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.hydraddp-setup-$(cksum pyproject.toml | cut -d' ' -f1)-${command}"
 if [ ! -f "$stamp" ]; then
-  # Bytecode is compiled once at the end, on every core: pip compiles one file at a time (about 65 s of the setup
-  # here). Not left to the first imports: PYTHONDONTWRITEBYTECODE=1, which some machines set, would then make every
-  # process compile what it imports again. (Like pip, a file that does not compile is skipped.)
   if [ "$command" = test ] && ! "$VENV/bin/python" -c 'import horovod.torch' 2> /dev/null; then
     # Horovod compiles against torch for minutes: its build starts once torch (and what its setup.py imports) is in,
     # and runs beside the second pip call, which is mostly downloads. It only fills the wheel cache; the install
@@ -75,6 +72,9 @@ if [ ! -f "$stamp" ]; then
   fi
   # torch again, so that no extra's dependency (a torchvision, say) can move it to another build.
   "$VENV/bin/python" -m pip install -q --no-compile -e ".${extras}" "$TORCH_SPEC"
+  # Bytecode is compiled once at the end, on every core: pip compiles one file at a time (about 65 s of the setup
+  # here). Not left to the first imports: PYTHONDONTWRITEBYTECODE=1, which some machines set, would then make every
+  # process compile what it imports again. (Like pip, a file that does not compile is skipped.)
   "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
     > /dev/null || true
   touch "$stamp"

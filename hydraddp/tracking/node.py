@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,8 +85,6 @@ def for_launch(plan: Any, tracker: Any) -> NodeTracker | None:
     else:
         if attached.nnodes < 2 or attached.local_rank != 0 or attached.node_rank == 0:
             return None
-        import tempfile
-
         node_dir = Path(tempfile.mkdtemp(prefix=f"hydraddp-node{attached.node_rank}-"))
         os.environ[NODE_DIR_ENV] = str(node_dir)  # read by this process's worker (``hydraddp.launch.worker``)
         node = NodeTracker(settings_for(plan, attached.node_rank, node_dir), private_dir=node_dir)
@@ -131,8 +131,6 @@ class NodeTracker:
             self._proc.kill()
             self._proc.wait()
         if self._private_dir is not None:
-            import shutil
-
             shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
