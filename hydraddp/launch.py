@@ -24,8 +24,10 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     """
     from hydraddp.tracking.events import EventWriter
     from hydraddp.tracking.node import NODE_DIR_ENV, write_node_file
-    from hydraddp.train import train
+    from hydraddp.train import host_heap, train
     from hydraddp.train.logs import FILE_ONLY, setup_rank_logging
+
+    heap = host_heap.settle()  # first: before this rank's history decides glibc's thresholds
 
     # Each node's launcher (or, under torchrun, each process) made its own job directory: all take one.
     decides = idist.get_rank() == 0 if attached else plain_cfg["launcher"]["node_rank"] == 0 and local_rank == 0
@@ -46,7 +48,7 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
         if node_dir:
             write_node_file(Path(node_dir), node, Path(job_dir), list(range(first, first + idist.get_nproc_per_node())))
     setup_rank_logging(idist.get_rank(), Path(job_dir))
-    log.info("rank %d pid %d", idist.get_rank(), os.getpid())
+    log.info("rank %d pid %d%s", idist.get_rank(), os.getpid(), f"; {heap}" if heap else "")
     events = EventWriter(events_path) if events_path and idist.get_local_rank() == 0 else None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if events is not None and restarts:
