@@ -1,6 +1,6 @@
 """Measure hydraddp side by side with a plain torchrun script, PyTorch-Ignite and Lightning Fabric, and print the ratios.
 
-    .venv/bin/python benchmarks/run.py            # about 12 minutes on 2 cores; writes results.json, RESULTS.md
+    .venv/bin/python benchmarks/run.py            # about 30 minutes on 2 cores; writes results.json, RESULTS.md
     .venv/bin/python benchmarks/run.py --pairs 7  # more rounds
     .venv/bin/python benchmarks/run.py --smoke --json /tmp/r.json --no-markdown   # seconds: does the harness run?
 
@@ -45,7 +45,8 @@ class Settings:
     hidden: tuple[int, ...] = workload.HIDDEN
     big_hidden: tuple[int, ...] = BIG_HIDDEN
     big_steps: int = 3
-    hf_steps: int = 40
+    # WARMUP_STEPS, then 90 steady steps (about 30 s): 30 left one HF fsdp2 run between 0.86 and 1.08 of its pair
+    hf_steps: int = 100
     import_pairs: int = 10
     loop_steps: tuple[int, int] = (100, 500)  # the loop's own cost: (wall at N2 steps - wall at N1) / (N2 - N1)
 
