@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,12 +10,11 @@ from omegaconf import DictConfig
 from torch import nn
 
 import hydraddp.distributed as idist
-from hydraddp.config.instantiate import instantiate, model_kwargs
 from hydraddp.distributed import meta_init, simulated
 from hydraddp.distributed.mesh import MeshShape
 from hydraddp.distributed.policies import declared_blocks
 from hydraddp.distributed.report import WrapReport
-from hydraddp.train.pretrained import HF_CONFIG
+from hydraddp.models.of_config import model_factory
 
 POLICY_KEYS = ("auto_wrap_policy", "block_classes", "min_num_params")
 log = logging.getLogger(__name__)
@@ -51,16 +48,6 @@ def tp_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """``tp_plan=wrap.tp_plan`` when the config gives one (else the model's own plan is used)."""
     plan = cfg.wrap.get("tp_plan")
     return {"tp_plan": dict(plan)} if plan else {}
-
-
-def model_factory(model_node: DictConfig) -> Callable[[], nn.Module]:
-    """What builds ``model_node``'s model: its ``_target_`` with its arguments. A pretrained Hugging Face directory
-    gives the architecture (``config.json``) too; its weights are loaded after wrapping (``train.pretrained``)."""
-    node = model_kwargs(model_node)
-    pretrained = model_node.get("pretrained")
-    if pretrained and Path(pretrained, HF_CONFIG).is_file():
-        node.config_dir = str(pretrained)
-    return lambda: instantiate(node, "model")
 
 
 def build_path(cfg: DictConfig, model: nn.Module | None = None) -> str:

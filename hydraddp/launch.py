@@ -11,7 +11,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 import hydraddp.distributed as idist
-from hydraddp.launch_plan import LaunchPlan
+from hydraddp.launch_plan import LaunchPlan, job_dir_from_agent
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +62,6 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     finally:
         if events is not None:
             events.close()
-
-
-JOB_DIR_KEY = "hydraddp/job_dir"
-
-
-def job_dir_from_agent(proposed: str) -> str | None:
-    """The launch's job directory as torch's elastic agent keeps it, or None when no agent started us.
-
-    The first caller sets it; the agent's store outlives restarts, so a restarted group, whose processes
-    composed new directories, gets the first attempt's back, and finds its checkpoints there.
-    """
-    from hydraddp.distributed.comp_models.native import agent_store
-
-    store = agent_store()
-    if store is None:
-        return None
-    return store.compare_set(f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", proposed).decode()
 
 
 def from_decider(value: Callable[[], str], decides: bool) -> str:

@@ -61,18 +61,20 @@ def _resume_after_preemption(cfg: DictConfig, job_dir: Path) -> int:
 
 
 def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dict[str, Any] | None]:
-    """Find ``checkpoint.resume`` and check it holds this model (on the meta device: no memory, no process group).
-    A resumed run continues its MLflow run unless told otherwise. Returns the problems and where the resume starts."""
+    """Find ``checkpoint.resume`` and check it holds the model of this config (``models.of_config``, on the meta
+    device: no memory, no process group). A resumed run continues its MLflow run unless told otherwise. Returns the
+    problems and where the resume starts."""
     if not cfg.checkpoint.resume:
         return [], None
-    from hydraddp.train.checkpoint import CheckpointError, check_model_matches, check_readable, find, read_meta
+    from hydraddp.models.of_config import model_of
+    from hydraddp.train.checkpoint import CheckpointError, check_matches, check_readable, find, read_meta
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
     try:
         path = find(root, cfg.checkpoint.resume)
         meta = read_meta(path)
         check_readable(path)
-        check_model_matches(path, cfg.model)
+        check_matches(path, {"model": model_of(cfg.model).state_dict()})
     except CheckpointError as exc:
         return [Problem(("checkpoint.resume",), str(exc), "")], None
     cfg.checkpoint.resume = str(path.resolve())
@@ -83,46 +85,53 @@ def _resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dic
     return [], {"checkpoint": cfg.checkpoint.resume, "step": meta["step"]}
 
 
+def pretrained_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+    """``model.pretrained``: what it is, made an absolute path (the workers' and the run's), and for a Hugging Face
+    directory the model's sizes from its ``config.json``, in ``cfg.model`` (so every check after this one, and the
+    run's parameters, see the model that will train). Again on the same config, it changes nothing."""
+    pretrained = cfg.model.get("pretrained")
+    if not pretrained:
+        return []
+    from hydraddp.models import hf
+    from hydraddp.train.pretrained import kind
+
+    try:
+        source = kind(pretrained)
+        cfg.model.pretrained = pretrained = str(Path(pretrained).resolve())
+        if source == "hf":
+            if cfg.model.get("_target_") != hf.HF_TARGET:
+                raise hf.PretrainedError(
+                    f"model.pretrained={pretrained} is a Hugging Face model directory, which only a transformers "
+                    f"model loads (model=hf_causal_lm); model._target_ is {cfg.model.get('_target_')}.")
+            hf.from_hf_config(cfg.model, Path(pretrained), hf.typed_model_keys(overrides))
+    except hf.PretrainedError as exc:
+        return [Problem(("model.pretrained",), str(exc), "")]
+    return []
+
+
 def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
-    """What only building the model can tell, on the meta device (no memory, no process group), and only when asked:
-    ``model.pretrained`` fits the model (a Hugging Face directory also sets its sizes, in place), and under
-    ``model.init_device=meta`` the model's initialization can be replayed after sharding; under ``mesh.tp > 1`` the
-    model has a TP plan whose splits ``mesh.tp`` divides."""
+    """What only building the model of the config can tell, on the meta device (no memory, no process group), and
+    only when asked: ``model.pretrained`` fits the model (``pretrained_problems`` first), under
+    ``model.init_device=meta`` the model's initialization can be replayed after sharding, and under ``mesh.tp > 1``
+    the model has a TP plan whose splits ``mesh.tp`` divides."""
+    found = pretrained_problems(cfg, overrides)
     pretrained, meta = cfg.model.get("pretrained"), cfg.model.get("init_device") == "meta"
     tp = cfg.mesh.tp if cfg.wrap.name == "fsdp2" and cfg.mesh.tp > 1 else 1
-    if not pretrained and not meta and tp == 1:
-        return []  # the usual case: no torch import before the tracker starts
-    from hydraddp.build import model_factory
+    if found or (not pretrained and not meta and tp == 1):
+        return found  # the usual case: no torch import before the tracker starts
     from hydraddp.distributed import meta_init
+    from hydraddp.models.of_config import model_factory, model_of
     from hydraddp.train import pretrained as weights
 
     try:
-        source = weights.kind(pretrained) if pretrained else None
-        if source is not None:
-            cfg.model.pretrained = pretrained = str(Path(pretrained).resolve())  # the workers' and the run's path
-        if source == "hf":
-            if cfg.model.get("_target_") != weights.HF_TARGET:
-                raise weights.PretrainedError(
-                    f"model.pretrained={pretrained} is a Hugging Face model directory, which only a transformers "
-                    f"model loads (model=hf_causal_lm); model._target_ is {cfg.model.get('_target_')}.")
-            weights.from_hf_config(cfg.model, Path(pretrained), weights.typed_model_keys(overrides))
-        if meta:
-            model, _ = meta_init.build_on_meta(model_factory(cfg.model))
-        elif source is not None or tp > 1:
-            import torch
-
-            with torch.device("meta"):
-                model = model_factory(cfg.model)()
-        if source is not None:
-            wrong = weights.mismatch(Path(pretrained), source, model)
-            if wrong:
-                raise weights.PretrainedError(f"model.pretrained={pretrained} does not fit this model: {wrong}. "
-                                              "Start from weights of the same architecture and sizes.")
-    except weights.PretrainedError as exc:
-        return [Problem(("model.pretrained",), str(exc), "")]
+        model = meta_init.build_on_meta(model_factory(cfg.model))[0] if meta else model_of(cfg.model)
     except meta_init.NotReplayable as exc:
         return [Problem(("model.init_device",), f"model.init_device=meta: {exc}.",
                         "Set model.init_device=cpu (built whole on every rank) or auto (whole, with a warning).")]
+    wrong = pretrained and weights.mismatch(Path(pretrained), weights.kind(pretrained), model)
+    if wrong:
+        return [Problem(("model.pretrained",), f"model.pretrained={pretrained} does not fit this model: {wrong}. "
+                        "Start from weights of the same architecture and sizes.", "")]
     if tp > 1:  # the model's plan, and every size it splits, against mesh.tp
         from hydraddp.build import tp_kwargs
         from hydraddp.distributed.parallelize import tp_problems
@@ -184,6 +193,23 @@ def _tracking_problems(cfg: DictConfig) -> list[Problem]:
                     "Start the server, point tracking.uri at one that serves it, or set tracking.enabled=false.")]
 
 
+JOB_DIR_KEY = "hydraddp/job_dir"
+
+
+def job_dir_from_agent(proposed: str) -> str | None:
+    """The launch's job directory as torch's elastic agent keeps it, or None when no agent started us.
+
+    The first caller sets it; the agent's store outlives restarts, so a restarted group, whose processes
+    composed new directories, gets the first attempt's back, and finds its checkpoints there.
+    """
+    from hydraddp.distributed.comp_models.native import agent_store
+
+    store = agent_store()
+    if store is None:
+        return None
+    return store.compare_set(f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", proposed).decode()
+
+
 def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
     """The launch's job directory, and whether this is a restart. Rank 0 under torchrun asks the agent: after
     ``torchrun --max-restarts`` restarted the group, it goes on in the first attempt's directory, with that
@@ -191,8 +217,6 @@ def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
     attached = detect_launch_env()
     if attached is None or attached.rank != 0 or attached.world_size == 1:
         return job_dir, False
-    from hydraddp.launch import job_dir_from_agent
-
     agreed = job_dir_from_agent(str(job_dir))
     if agreed is None or Path(agreed) == job_dir:
         return job_dir, False
@@ -227,9 +251,11 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     preemptions = _resume_after_preemption(cfg, job_dir) if not found else 0
     # Only the leader knows the agreed job directory (under torchrun the other ranks compose in "."): it finds and
     # checks the checkpoint, and its workers pass the path to every rank (``launch.worker``).
+    if not found:  # on every process: a pretrained config sets the model's sizes, which each rank composes alone
+        found += pretrained_problems(cfg, overrides)
     resume_problems, resumed_from = _resume_problems(cfg, job_dir) if not found and leads else ([], None)
     found += resume_problems
-    if not found:  # on every process: a pretrained config sets the model's sizes, which each rank composes alone
+    if not found:
         found += model_problems(cfg, overrides)
     tracks = bool(cfg.tracking.enabled) and leads
     if tracks and not found:

@@ -8,8 +8,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
-# hydraddp's own keys inside a model node; they steer wrapping and are not constructor arguments.
-HYDRADDP_MODEL_KEYS = ("sync_bn", "init_device", "pretrained")
+from hydraddp.models import HYDRADDP_MODEL_KEYS
 
 
 def instantiate(node: Any, key: str, *args: Any, **kwargs: Any) -> Any:

@@ -77,11 +77,10 @@ def warm_up() -> None:
 def _bare_model(payload: dict[str, Any]) -> Any:
     """The model the config builds, with the ranks' weights, in eval mode."""
     import torch
-    from omegaconf import OmegaConf
 
-    from hydraddp.config.instantiate import instantiate, model_kwargs
+    from hydraddp.models.of_config import model_of
 
-    model = instantiate(model_kwargs(OmegaConf.create(payload["model_config"])), "model")
+    model = model_of(payload["model_config"], "cpu", payload.get("hf_config"))
     model.load_state_dict(torch.load(payload["state_dict"], weights_only=True))
     return model.eval()
 

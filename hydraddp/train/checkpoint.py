@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hydraddp.distributed as idist
+from hydraddp.models import fit
 from hydraddp.tracking import names
 from hydraddp.train import rng
 
@@ -323,30 +324,19 @@ def check_readable(path: Path) -> dict[str, Any]:
 
 
 def check_matches(path: Path, expected: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model, naming the first keys (or shapes) that differ."""
-    saved = check_readable(path)
-    wanted = {k: tuple(v.shape) for k, v in names.flatten(expected).items() if isinstance(v, torch.Tensor)}
-    saved_model = {k for k in saved if k.startswith("model.")}
-    missing = sorted(k for k in wanted if k.startswith("model.") and k not in saved)
-    unexpected = sorted(saved_model - wanted.keys())
-    if missing or unexpected:
-        raise CheckpointError(f"{path} is not a checkpoint of this model: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]} (first keys shown). Use a checkpoint of the same "
+    """Refuse a checkpoint of another model (``expected``: ``{"model": state_dict, ...}``), naming the first keys (or
+    shapes) that differ. Every model key must be there; what else both hold (optimizer state) must have its shape."""
+    saved = {k: tuple(v.size) for k, v in check_readable(path).items() if getattr(v, "size", None) is not None}
+    wanted = fit.shapes({k: v for k, v in names.flatten(expected).items() if isinstance(v, torch.Tensor)})
+
+    def of_model(state: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        return {k: v for k, v in state.items() if k.startswith("model.")}
+
+    both = {k: v for k, v in saved.items() if k in wanted and not k.startswith("model.")}
+    wrong = fit.mismatch(of_model(saved), of_model(wanted)) or fit.mismatch(both, {k: wanted[k] for k in both})
+    if wrong:
+        raise CheckpointError(f"{path} is not a checkpoint of this model: {wrong}. Use a checkpoint of the same "
                               "model config, or start without checkpoint.resume.")
-    for key, shape in wanted.items():
-        size = getattr(saved.get(key), "size", None)
-        if size is not None and tuple(size) != shape:
-            raise CheckpointError(f"{path}: {key} has shape {tuple(size)} in the checkpoint but {shape} here.")
-
-
-def check_model_matches(path: Path, model_cfg: Any) -> None:
-    """Refuse, before any worker starts, a checkpoint whose model is not the one ``model_cfg`` builds. The
-    model is built on the meta device: shapes without memory."""
-    from hydraddp.config.instantiate import instantiate, model_kwargs
-
-    with torch.device("meta"):
-        model = instantiate(model_kwargs(model_cfg), "model")
-    check_matches(path, {"model": model.state_dict()})
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:

@@ -22,7 +22,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.tracking.events import EventWriter
-from hydraddp.train.pretrained import HF_TARGET
+from hydraddp.models.hf import HF_TARGET, config_dict
 
 log = logging.getLogger("hydraddp.train.loop")
 MODEL_DIR = "model"  # in the job directory
@@ -89,7 +89,7 @@ def _write_copy(folder: Path, state: dict[str, torch.Tensor], example: torch.Ten
 def _hf_export(checkpoint: Path, folder: Path, max_shard_mb: float) -> str | None:
     """``python -m hydraddp.export CHECKPOINT folder/hf --format hf``, in files of at most ``max_shard_mb`` (this
     process holds one at a time); None, with a warning, when it cannot be written."""
-    from hydraddp.export import export
+    from hydraddp.train.formats import export
 
     try:
         return str(export(Path(checkpoint), folder / "hf", "hf", max_shard_mb))
@@ -134,4 +134,5 @@ def record_model(cfg: DictConfig, model: nn.Module, batch: Any, step: int, event
     folder.mkdir(parents=True, exist_ok=True)  # the tracker keeps its progress there
     # The model's config as checkpoints keep it (secrets redacted): what the tracker builds the bare model from.
     events.record("model", {"step": step, "target": cfg.model.get("_target_"), "size_bytes": size,
-                            "folder": str(folder), "model_config": saver.saved_config["model"], **where})
+                            "folder": str(folder), "model_config": saver.saved_config["model"],
+                            "hf_config": config_dict(model), **where})

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from hydraddp.models.hf import config_dict
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter
 from hydraddp.train import checkpoint, logged_model
@@ -39,15 +40,6 @@ def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, s
     if scaler is not None and resumed.meta.get("scaler"):
         scaler.load_state_dict(resumed.meta["scaler"])
     return resumed
-
-
-def transformers_config(model) -> dict[str, Any] | None:
-    """The config of the outermost transformers model inside ``model`` (through any wrapper), as a dict."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if callable(getattr(config, "to_dict", None)) and hasattr(config, "model_type"):
-            return config.to_dict()
-    return None
 
 
 def needs_shared_root(cfg: DictConfig) -> bool:
@@ -114,7 +106,7 @@ class Saver:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # A transformers model's own config, whole: what `export --format hf` writes (a pretrained model's
             # config.json may hold more than the model node's keys, and its directory may be gone by then).
-            "hf_config": transformers_config(self.model),
+            "hf_config": config_dict(self.model),
         }
         path = checkpoint.save(self.root, step, self.model, self.optimizer, meta, keep_last=self.cfg.checkpoint.keep_last,
                                loader_state=self.loader_state() if self.loader_state else None, background=background)
