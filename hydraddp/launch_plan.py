@@ -134,7 +134,7 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
                         "Start from weights of the same architecture and sizes.", "")]
     if tp > 1:  # the model's plan, and every size it splits, against mesh.tp
         from hydraddp.build import tp_kwargs
-        from hydraddp.distributed.parallelize import tp_problems
+        from hydraddp.distributed.tp import tp_problems
 
         return tp_problems(model, tp, tp_kwargs(cfg).get("tp_plan"))
     return []

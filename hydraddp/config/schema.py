@@ -23,7 +23,7 @@ class BackendConfig:
 class WrapConfig:
     name: str = "auto"
     kwargs: dict[str, Any] = field(default_factory=dict)  # forwarded to the wrapper
-    # With mesh.tp > 1: {module pattern: style} instead of the model's own plan (parallelize.resolve_tp_plan).
+    # With mesh.tp > 1: {module pattern: style} instead of the model's own plan (distributed.tp.resolve_tp_plan).
     tp_plan: Any = None
 
 

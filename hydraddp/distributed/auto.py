@@ -12,12 +12,13 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import machine, meta_init, parallelize, policies, utils, wrappers
-from hydraddp.distributed.mesh import MeshShape
-from hydraddp.distributed.mesh import realized as realized_mesh
+from hydraddp.distributed import machine, meta_init, utils, wrappers
 from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
-from hydraddp.distributed.precision import add_precision_hooks, make_grad_scaler, precision_spec
+from hydraddp.distributed.mesh import MeshShape
+from hydraddp.distributed.parallel_plan import ParallelPlan
+from hydraddp.distributed.parallelize import parallelize
+from hydraddp.distributed.precision import make_grad_scaler, precision_spec
 from hydraddp.distributed.report import WrapRecord
 
 log = logging.getLogger(__name__)
@@ -68,83 +69,31 @@ def auto_model(
 
     >>> model = idist.auto_model(model, wrap="fsdp2", precision="bf16", block_classes=["Block"])  # doctest: +SKIP
     """
-    if use_fsdp:
-        if wrap not in (None, "auto", "fsdp2"):
-            raise ValueError(f"use_fsdp=True means wrap='fsdp2', but wrap={wrap!r} was given; pass one of them")
-        wrap = "fsdp2"
+    wrap = _wrap_asked(wrap, use_fsdp)
     offload = _offload_from(kwargs)
     combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn,
                              compile=compile, nproc_per_node=utils.get_nproc_per_node())
     machine.raise_for_problems(combo)
-    realized = resolve_wrap(combo)
-    spec = precision_spec(precision)
-    device = utils.device()
-
-    # A model built on the meta device (meta_init.build_on_meta) is materialized after sharding under the FSDPs,
-    # and whole, here, under every other wrap.
-    replay = meta_init.replay_of(model)
-    init_device = "meta" if replay is not None else str(next(model.parameters(), torch.empty(0)).device.type)
-    if replay is not None and realized not in ("fsdp", "fsdp2"):
-        replay.materialize(model, device)
-    # FSDP moves each unit to the device as it shards it (and keeps it on the CPU under offload), so only
-    # the other wraps need the whole model moved first.
-    if realized not in ("fsdp", "fsdp2") and not all(p.device == device for p in model.parameters()):
-        model.to(device)
+    plan = ParallelPlan.of(model, resolve_wrap(combo), precision_spec(precision), utils.device(),
+                           utils.get_world_size(), offload=offload == "cpu", sync_bn=sync_bn,
+                           activation_checkpointing=activation_checkpointing, compile=compile, **kwargs)
+    log.info("auto_model: wrap=%s precision=%s offload=%s on %s", plan.wrap, plan.precision.name, offload, plan.device)
+    init_device = "meta" if meta_init.replay_of(model) is not None else \
+        str(next(model.parameters(), torch.empty(0)).device.type)
     total_numel = sum(p.numel() for p in model.parameters())
-    if spec.storage_dtype != torch.float32:
-        model.to(spec.storage_dtype)  # bf16-true: the weights themselves are bf16
-    if sync_bn and realized in ("ddp", "fsdp", "fsdp2"):
-        log.info("Converting BatchNorm to SyncBatchNorm")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-
-    # On the model itself, before wrapping: the wrappers call it, DataParallel's replicas copy its hooks, and
-    # the FSDPs cast for themselves (their outputs still come back in fp32 from these hooks).
-    add_precision_hooks(model, spec, device.type, autocast=realized in ("none", "dp", "ddp", HOROVOD))
-    shape = MeshShape.of(kwargs.pop("mesh_shape", None))
-    tp_plan = kwargs.pop("tp_plan", None)
-    if realized != "fsdp2":
-        _check_flat_mesh(shape, realized, utils.get_world_size())
-    on = None if "mesh" in kwargs else realized_mesh(shape, realized, utils.get_world_size())  # a user's own mesh
-    mesh = on.describe() if on is not None else None
-    log.info("auto_model: wrap=%s precision=%s offload=%s on %s", realized, spec.name, offload, device)
-    if realized == "fsdp2":  # TP, activation checkpointing, compile and fully_shard, in that order, on the mesh
-        model, checkpointed, compiled = parallelize.parallelize(
-            model, device, utils.get_world_size(), spec, offload == "cpu", mesh_shape=shape, tp_plan=tp_plan,
-            activation_checkpointing=activation_checkpointing, compile=compile, **kwargs)
-    else:
-        if tp_plan:
-            raise ValueError(f"tp_plan is for tensor parallel, which needs wrap='fsdp2' and a mesh with tp > 1; "
-                             f"wrap={realized!r} was realized. Drop tp_plan, or use wrap='fsdp2'.")
-        # Before any wrapper sees the model (torchtitan's order): the FSDP1 units' classes, else the model's own.
-        blocks = (kwargs.get("block_classes") if realized == "fsdp" else kwargs.pop("block_classes", None)) \
-            or policies.declared_blocks(model)
-        checkpointed = parallelize.apply_ac(model, blocks) if activation_checkpointing else []
-        compiled = parallelize.apply_compile(model, ()) if compile else []  # whole: only fsdp2 compiles per block
-    match realized:
-        case "none":
-            pass
-        case "dp":
-            model = wrappers.wrap_dp(model, **kwargs)
-        case "ddp":
-            model = wrappers.wrap_ddp(model, device, **kwargs)
-        case "fsdp":
-            model = wrappers.wrap_fsdp1(model, device, spec, offload == "cpu", **kwargs)
-        case "horovod":
-            model = wrappers.wrap_horovod(model, sync_bn)
-    model._hydraddp_wrap = WrapRecord(realized, spec, offload, total_numel, tuple(checkpointed), tuple(compiled),
-                                       init_device, mesh)
+    model, checkpointed, compiled = parallelize(model, plan)
+    model._hydraddp_wrap = WrapRecord(plan.wrap, plan.precision, offload, total_numel, tuple(checkpointed),
+                                       tuple(compiled), init_device, plan.mesh)
     return model
 
 
-def _check_flat_mesh(shape: MeshShape, realized: str, world_size: int) -> None:
-    """A wrap other than fsdp2 has one data-parallel dimension: DDP replicates over every rank, the others shard or
-    replicate as they do. A mesh asking for more is refused, with the reason."""
-    resolved = shape.resolved(world_size)
-    if resolved.tp > 1 or (resolved.dp_replicate not in (1, world_size)) or \
-            (resolved.dp_replicate > 1 and realized != "ddp"):
-        raise ValueError(f"mesh {resolved.describe()} needs wrap=fsdp2 (HSDP and tensor parallel are built on "
-                         f"FSDP2's fully_shard and a device mesh); wrap={realized} has one data-parallel dimension. "
-                         "Use wrap=fsdp2, or leave mesh_shape out.")
+def _wrap_asked(wrap: str | None, use_fsdp: bool) -> str | None:
+    """``use_fsdp=True`` (the seed's spelling) means ``wrap="fsdp2"``."""
+    if not use_fsdp:
+        return wrap
+    if wrap not in (None, "auto", "fsdp2"):
+        raise ValueError(f"use_fsdp=True means wrap='fsdp2', but wrap={wrap!r} was given; pass one of them")
+    return "fsdp2"
 
 
 def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:

@@ -1,139 +1,184 @@
 """Models built on the meta device and initialized later, one module at a time, to the bit of a whole build.
 
-``build_on_meta(factory)`` runs ``factory()`` under ``torch.device("meta")``: no tensor gets storage. It records what
-construction initialized, in order (the in-place writes to each module's tensors, and where a Hugging Face model's
-``post_init`` ran), then runs each of those steps once, on temporary full-size tensors of its one module, to learn the
-random-number generator's state before each. ``InitReplay.materialize_module`` then initializes any module, in any
-order (FSDP1 asks unit by unit), from its recorded states: the draws of the model built whole under the same seed, with
-at most one module's full tensors held beside the shards at any time.
+``build_on_meta(factory)`` runs ``factory()`` under ``torch.device("meta")``: no tensor gets storage. It records how
+construction wrote each module's tensors, operation by operation (``meta_record``), as each module's steps in the
+whole build's order (``meta_steps``): every in-place write (``reset_parameters``, a re-initialization after it,
+``.data.zero_()``), the factory that made a tensor (``torch.ones``, ``torch.randn``), ``torch.nn.init`` calls that skip
+meta tensors, and a Hugging Face ``post_init``'s ``_init_weights``. A dry run then makes every step once, in that
+order, from the generator's state, on temporary full-size tensors of its one module, to learn the generator's state
+before each. ``InitReplay.materialize_module`` then initializes any module, in any order (FSDP1 asks unit by unit),
+from its recorded states: the values of the model built whole under the same seed, parameters and buffers, with at
+most one module's full tensors held beside the shards at any time.
 
-The steps, in the order the whole build runs them:
-- ``reset_parameters()`` of each module whose tensors construction wrote (torch's own modules call it in their
-  ``__init__``);
-- where a Hugging Face ``PreTrainedModel``'s ``post_init`` ran (at the end of its ``__init__``: an inner model's
-  before its outer model builds its head), ``_init_weights`` of each module it had not initialized yet, children
-  first (``initialize_weights``'s ``smart_apply``). On the meta device ``post_init`` skips that; it is put back.
+The contract: equal to the whole build to the bit, or refused. ``build_on_meta`` raises ``NotReplayable`` naming the
+module (qualified name and class) and the reason when a tensor's value is computed in ``__init__`` from other tensors,
+a write reads a tensor made during construction, a draw uses a generator of its own, random numbers are drawn from
+computed values, tensors are shared between modules (tied weights), or construction reseeds the generator; the
+caller then builds the model whole. ``materialize_module`` raises it rather than leave a tensor unset.
 
-A model whose tensors these steps do not all write (a parameter drawn with ``torch.randn`` in an ``__init__``, a buffer
-computed there), whose tensors other code writes during construction (a re-initialization after it), a step that
-reaches beyond its module's own tensors, or parameters shared between modules, cannot be replayed: ``build_on_meta``
-raises ``NotReplayable`` naming the module and the reason, and the caller builds the model whole instead.
+The record is kept by qualified module name, so a module swapped in under the same name keeps its steps
+(``nn.SyncBatchNorm.convert_sync_batchnorm`` reuses the tensors): ``InitReplay.bind(model)`` names the live modules
+after such a swap, before a wrapper renames them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hydraddp.distributed.meta_record import NotReplayable, View, record
+from hydraddp.distributed.meta_steps import HFStep, ModuleRecord, Plan, describe, own_tensors, resolve
 
-class NotReplayable(RuntimeError):
-    """The model's initialization cannot be replayed module by module (the message says which module and why)."""
+__all__ = ["InitReplay", "NotReplayable", "build_on_meta", "replay_of", "shared_tensors"]
+
+# Wrappers put their module under these names (FSDP1, activation checkpointing, torch.compile): not the model's own.
+_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+_UNSET = "is not set by any reset_parameters() or Hugging Face _init_weights"
 
 
-@dataclass
-class _Step:
-    run: Callable[[nn.Module], Any]
-    rng_state: torch.Tensor  # the generator's state when the whole build runs it
+def _unwrapped(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
 @dataclass
 class InitReplay:
-    """Each module's initialization steps with the generator state each one starts from."""
+    """Each module's initialization steps (by qualified name) with the generator state each one starts from."""
 
-    steps: dict[int, list[_Step]] = field(default_factory=dict)  # id(module) -> its steps, in the whole build's order
-    done: set[int] = field(default_factory=set)  # id(module) of those materialized
-    # (id(module), name) -> the dtype it was built in: a model cast after building (bf16-true) draws as built, then casts
-    dtypes: dict[tuple[int, str], torch.dtype] = field(default_factory=dict)
+    records: dict[str, ModuleRecord] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)  # names of the modules materialized
+    names: dict[int, str] = field(default_factory=dict)  # id(live module) -> its name in the record
+
+    def bind(self, model: nn.Module) -> None:
+        """Name ``model``'s live modules: after replacing modules (SyncBatchNorm conversion), before wrapping.
+        Also attaches the replay to ``model`` (``replay_of``)."""
+        self.names = {id(m): _unwrapped(n) for n, m in model.named_modules()}
+        for module_name, module in model.named_modules():
+            name = _unwrapped(module_name)
+            if name in self.records:
+                _check_live(name, module, self.records[name], own_tensors(module))
+            else:  # refused now, while its tensors are still meta (after sharding they are storage of no value)
+                _refuse_unrecorded(name, module, own_tensors(module))
+        object.__setattr__(model, REPLAY_ATTR, self)  # not a submodule: a plain attribute
 
     def materialize_module(self, module: nn.Module, device: torch.device | str = "cpu") -> None:
         """Give ``module``'s own tensors their initial values (and storage on ``device`` where they are meta); once per
         module. A sharded parameter (a DTensor, after ``fully_shard`` and ``to_empty``) gets this rank's part of the
         full value. The generator is left as it was."""
-        if id(module) in self.done:
+        own = own_tensors(module)
+        name = self.names.get(id(module))
+        if not own or name in self.done:
             return
-        self.done.add(id(module))
-        own = _own_tensors(module)
-        if not own:
+        if name is None or name not in self.records:
+            _refuse_unrecorded(name or "", module, own)
             return
-        saved = torch.get_rng_state()
-        try:
-            # On the CPU, whatever the device: the whole build drew from the CPU generator, whose states are recorded.
-            with _temporarily_full(module, self.dtypes) as full:
-                for step in self.steps.get(id(module), []):
-                    torch.set_rng_state(step.rng_state)
-                    step.run(module)
-        finally:
-            torch.set_rng_state(saved)
-        for name, value in full.items():
-            _store(module, name, own[name], value, device)
+        values = _values(name, module, self.records[name], own)
+        self.done.add(name)
+        for tensor_name, value in values.items():
+            _store(module, tensor_name, own[tensor_name], value, device)
 
     def materialize(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
-        """Every module of ``model`` not materialized yet."""
-        for module in model.modules():
+        """Every module of ``model`` not materialized yet (one swapped in under a recorded name too)."""
+        for module_name, module in model.named_modules():
+            self.names.setdefault(id(module), _unwrapped(module_name))
             self.materialize_module(module, device)
 
 
-def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**{n: p for n, p in module._parameters.items() if p is not None},
-            **{n: b for n, b in module._buffers.items() if b is not None}}
+def _refuse_unrecorded(name: str, module: nn.Module, own: dict[str, torch.Tensor]) -> None:
+    unset = [n for n, t in own.items() if _unset(t)]
+    if unset:
+        raise NotReplayable(f"{describe(name, type(module), unset[0])} has no storage and no recorded "
+                            "initialization: it was not in the model build_on_meta built (a module added or swapped "
+                            "in later under another name). Call replay.bind(model) after swapping modules, or build "
+                            "the model whole (model.init_device=cpu)")
 
 
-class _Scratch:
-    """One CPU buffer that the dry run's temporary tensors are views of, module after module. Thousands of
-    short-lived module-sized tensors, freed between the small allocations the dry run keeps (the generator states),
-    leave glibc's heap fragmented: measured, up to 0.9 GB of a 1.6 GB model stayed resident on a rank after they
-    were all freed."""
+def _unset(tensor: torch.Tensor) -> bool:
+    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
+    return tensor.is_meta or local.is_meta
 
-    ALIGN = 64
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        self.used = 0
+def _check_class(name: str, module: nn.Module, recorded: ModuleRecord | None) -> None:
+    """A Hugging Face ``_init_weights`` step chooses what to do by the module's class: it is the recorded one's."""
+    for _, step in recorded.steps if recorded is not None else ():
+        if isinstance(step, HFStep) and not isinstance(module, step.module_class):
+            raise NotReplayable(
+                f"{describe(name, type(module))} replaced a {step.module_class.__name__} after build_on_meta, and "
+                f"Hugging Face's _init_weights initializes a module by its class. Swap it inside the factory given "
+                "to build_on_meta, or build the model whole (model.init_device=cpu)")
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        start = -(-self.used // self.ALIGN) * self.ALIGN
-        nbytes = shape.numel() * dtype.itemsize
-        self.used = start + nbytes
-        return self.buffer[start:self.used].view(dtype).view(shape)
 
-    @classmethod
-    def nbytes_for(cls, module: nn.Module, dtypes: dict[tuple[int, str], torch.dtype]) -> int:
-        return sum(t.numel() * dtypes.get((id(module), n), t.dtype).itemsize + cls.ALIGN
-                   for n, t in _own_tensors(module).items())
+def _check_live(name: str, module: nn.Module, recorded: ModuleRecord, own: dict[str, torch.Tensor]) -> None:
+    _check_class(name, module, recorded)
+    for tensor_name, tensor in own.items():
+        if tensor_name not in recorded.tensors:
+            if _unset(tensor):
+                raise NotReplayable(f"{describe(name, type(module), tensor_name)} has no storage and was not in "
+                                    "the model build_on_meta built; build the model whole (model.init_device=cpu)")
+        elif tuple(tensor.shape) != recorded.tensors[tensor_name][1].size:
+            raise NotReplayable(f"{describe(name, type(module), tensor_name)} has the shape {tuple(tensor.shape)}, "
+                                f"built as {recorded.tensors[tensor_name][1].size}: changed after build_on_meta")
+
+
+def _values(name: str, module: nn.Module, recorded: ModuleRecord,
+            own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full values of ``module``'s recorded tensors, on the CPU in the dtype it was built in (a model cast after
+    building, bf16-true, drew as built): its steps run on fresh storages filled with NaN bytes."""
+    _check_live(name, module, recorded, own)
+    bases = [torch.full((n,), 0xFF, dtype=torch.uint8) for n in recorded.storages]
+    views = recorded.views(bases)
+    saved = torch.get_rng_state()
+    try:
+        # On the CPU, whatever the device: the whole build drew from the CPU generator, whose states are recorded.
+        with _installed(module, views, own), torch.no_grad(), _failures_named(name, type(module)):
+            for state, step in recorded.steps:
+                torch.set_rng_state(state)
+                step.run(module, bases)
+    finally:
+        torch.set_rng_state(saved)
+    for tensor_name, view in views.items():
+        if View.of(view).is_floating and _any_unwritten(view):
+            raise NotReplayable(f"{describe(name, type(module), tensor_name)} still holds the NaN it was filled "
+                                "with after its recorded steps: its initialization was not recorded whole")
+    # A tensor that lay in a larger storage is copied out, so that it does not keep the rest alive.
+    return {n: v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone()
+            for n, v in views.items() if n in own}
 
 
 @contextlib.contextmanager
-def _temporarily_full(module: nn.Module, dtypes: dict[tuple[int, str], torch.dtype] | None = None,
-                      scratch: _Scratch | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """``module``'s own tensors replaced, for the block, by full-size CPU ones filled with NaN (an integer buffer: its
-    type's minimum), so that a step that leaves one unwritten shows it; yields them by name. With ``scratch``, they are
-    views of its buffer, valid until the next module's."""
-    saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
-    full: dict[str, torch.Tensor] = {}
-    if scratch is not None:
-        scratch.used = 0
-    for name, tensor in _own_tensors(module).items():
-        shape, dtype = tensor.shape, (dtypes or {}).get((id(module), name), tensor.dtype)
-        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
-        value = torch.full(shape, fill, dtype=dtype) if scratch is None else scratch.take(shape, dtype).fill_(fill)
-        full[name] = value
-        if name in module._parameters:
-            module._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
-        else:
-            module._buffers[name] = value
+def _failures_named(name: str, module_class: type | None) -> Iterator[None]:
+    """A step that fails on the real tensors (it ran on meta ones while the model was built) is a NotReplayable
+    naming its module: under model.init_device=auto the model is then built whole."""
     try:
-        with torch.no_grad():
-            yield full
-        full.update({n: p.data for n, p in module._parameters.items() if n in full and p is not None})
-        full.update({n: b for n, b in module._buffers.items() if n in full and b is not None})
+        yield
+    except NotReplayable:
+        raise
+    except Exception as exc:
+        raise NotReplayable(f"{describe(name, module_class)}: its recorded initialization fails when made again: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _installed(module: nn.Module | None, views: dict[str, torch.Tensor],
+               own: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``module``'s own tensors replaced, for the block, by ``views`` (a Hugging Face step finds them by name)."""
+    if module is None:
+        yield
+        return
+    saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+    for name, view in views.items():
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(view, requires_grad=own[name].requires_grad)
+        elif name in module._buffers:
+            module._buffers[name] = view
+    try:
+        yield
     finally:
         module._parameters.update(saved_params)
         module._buffers.update(saved_buffers)
@@ -172,120 +217,139 @@ class _NoMetaOperands(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _InPlaceLog(TorchDispatchMode):
-    """The tensors that in-place operations write during construction, in order (a view counts as its base)."""
+class _Scratch:
+    """One CPU buffer that the dry run's temporary storages are views of, module after module. Thousands of
+    short-lived module-sized tensors, freed between the small allocations the dry run keeps (the generator states),
+    leave glibc's heap fragmented: measured, up to 0.9 GB of a 1.6 GB model stayed resident on a rank after they
+    were all freed."""
 
-    def __init__(self, events: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.events = events
+    ALIGN = 64  # every dtype's size divides it: a view of any dtype starts on an element
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-            written = args[0] if args[0]._base is None else args[0]._base
-            self.events.append(("write", id(written)))  # an id: the tensor may be a temporary of the construction
-        return func(*args, **(kwargs or {}))
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
 
+    @classmethod
+    def nbytes_for(cls, storages: list[int]) -> int:
+        return sum(-(-n // cls.ALIGN) * cls.ALIGN for n in storages)
 
-@contextlib.contextmanager
-def _registrations_logged(events: list[tuple[str, Any]]) -> Iterator[None]:
-    """Each module's tensor registrations during construction, in order: when it was built."""
-    from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
-
-    def registered(module: nn.Module, name: str, tensor: Any) -> None:
-        events.append(("register", module))
-
-    handles = [register_module_parameter_registration_hook(registered),
-               register_module_buffer_registration_hook(registered)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    def bases(self, storages: list[int]) -> list[torch.Tensor]:
+        """One region per storage, filled with 0xFF bytes: NaN in every floating dtype."""
+        bases, used = [], 0
+        for nbytes in storages:
+            bases.append(self.buffer[used:used + nbytes].fill_(0xFF))
+            used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return bases
 
 
-def _with_post_inits(model: nn.Module, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``events`` with a ("post_init", model) where each Hugging Face ``PreTrainedModel`` ran its ``post_init``: at the
-    end of its ``__init__``, after everything in it was built (an inner model's before its outer model builds its
-    head). On the meta device ``post_init`` skips the initialization, so the whole build's is put back here."""
-    transformers = sys.modules.get("transformers")  # a Hugging Face model imported it while it was built
-    if transformers is None:
-        return events
-    subtree = {}
-    for pretrained in (m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)):
-        subtree[pretrained] = {id(m) for m in pretrained.modules()}
-    last = {pretrained: max((i for i, (_, module) in enumerate(events) if id(module) in ids), default=-1)
-            for pretrained, ids in subtree.items()}
-    merged: list[tuple[str, Any]] = []
-    # By the event each ends after; an inner model before the outer one ending at the same event (it returns first).
-    pending = sorted(last.items(), key=lambda item: (item[1], len(subtree[item[0]])))
-    for index, event in enumerate(events):
-        merged.append(event)
-        while pending and pending[0][1] == index:
-            merged.append(("post_init", pending.pop(0)[0]))
-    merged.extend(("post_init", pretrained) for pretrained, _ in pending)
-    return merged
+class _States:
+    """The generator's state before each step; one tensor for consecutive steps between which nothing drew."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+
+    def now(self) -> torch.Tensor:
+        state = torch.get_rng_state()
+        if self.last is None or not torch.equal(state, self.last):
+            self.last = state
+        return self.last
 
 
-def _plan(factory: Callable[[], nn.Module]) -> tuple[nn.Module, list[tuple[nn.Module, Callable[[nn.Module], Any]]]]:
-    """``factory()`` on the meta device, and the initialization steps a whole build runs, in its order: a module's
-    ``reset_parameters`` where construction wrote its tensors, a Hugging Face model's ``_init_weights`` of each module
-    its ``post_init`` reached (children first; once per module, as HF marks them)."""
-    events: list[tuple[str, Any]] = []
-    with torch.device("meta"), _registrations_logged(events), _InPlaceLog(events):
-        model = factory()
-    owner = {id(t): m for m in model.modules() for t in _own_tensors(m).values()}
-    # Writes by their module; registrations only place the post_inits.
-    events = [("write", owner[what]) if kind == "write" and what in owner else (kind, what)
-              for kind, what in events if kind != "write" or what in owner]
-    events = _with_post_inits(model, events)
-    steps: list[tuple[nn.Module, Callable[[nn.Module], Any]]] = []
-    reset: set[int] = set()
-    hf_done: set[int] = set()
-    last_writer: nn.Module | None = None
-    for kind, what in events:
-        if kind == "register":
-            continue
-        if kind == "write":
-            module = what
-            if module is last_writer:
-                continue  # the same module's next write
-            if id(module) in reset:
-                raise NotReplayable(f"{type(module).__name__}'s tensors are written at two separate times during "
-                                    "construction")
-            if not callable(getattr(module, "reset_parameters", None)):
-                raise NotReplayable(f"{type(module).__name__}'s tensors are written during construction by code other "
-                                    "than its reset_parameters()")
-            reset.add(id(module))
-            last_writer = module
-            steps.append((module, lambda m: m.reset_parameters()))
-        else:  # post_init of a PreTrainedModel: its _initialize_weights over its modules, as smart_apply
-            last_writer = None
-            for module, init_owner in _hf_post_order(what):
-                if id(module) not in hf_done:
-                    hf_done.add(id(module))
-                    steps.append((module, lambda m, init_owner=init_owner: init_owner._init_weights(m)))
-    return model, steps
+class _Coverage:
+    """Which elements of each module tensor some step wrote (the union over steps): a floating tensor is filled with
+    NaN, which a step that writes nothing (or ``mul_`` alone) leaves; an integer or bool one is run twice, from the
+    same generator state, with its lowest and highest value: where the two runs differ, nothing wrote it."""
+
+    def __init__(self) -> None:
+        self.covered: set[tuple[str, str]] = set()
+        self.partial: dict[tuple[str, str], torch.Tensor] = {}  # only tensors no single run wrote whole
+
+    def floating(self, name: str, views: dict[str, torch.Tensor]) -> None:
+        for tensor_name, view in views.items():
+            if (name, tensor_name) not in self.covered:
+                whole = not _any_unwritten(view)
+                self._union((name, tensor_name), whole, lambda view=view: ~torch.isnan(view))
+
+    def integral(self, name: str, runs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for tensor_name, (low, high) in runs.items():
+            if (name, tensor_name) not in self.covered:
+                self._union((name, tensor_name), torch.equal(low, high), lambda low=low, high=high: low == high)
+
+    def _union(self, key: tuple[str, str], whole: bool, written: Callable[[], torch.Tensor]) -> None:
+        if whole:
+            self.covered.add(key)
+            self.partial.pop(key, None)
+            return
+        now = written()
+        if not now.any():
+            return
+        mask = self.partial[key] = now if key not in self.partial else self.partial[key] | now
+        if mask.all():
+            self.covered.add(key)
+            del self.partial[key]
+
+    def refuse_uncovered(self, plan: Plan) -> None:
+        for name, recorded in plan.records.items():
+            missing = [t for t in recorded.tensors if (name, t) not in self.covered]
+            if missing and recorded.cls is not None:
+                where = ", ".join(f"{name}.{t}" if name else t for t in missing)
+                raise NotReplayable(f"{where} ({recorded.cls.__name__}) {_UNSET} (nor by any other write while it "
+                                    "was built): its value is made in __init__ from other tensors, which a build "
+                                    "on the meta device does not have")
 
 
-def _hf_post_order(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(module, the PreTrainedModel whose ``_init_weights`` it gets), children first, as ``smart_apply``."""
-    from transformers import PreTrainedModel
+def _lowest_highest(dtype: torch.dtype) -> tuple[bool | int, bool | int]:
+    if dtype == torch.bool:
+        return False, True
+    info = torch.iinfo(dtype)
+    return info.min, info.max
 
-    visited: list[tuple[nn.Module, nn.Module]] = []
 
-    def walk(module: nn.Module, init_owner: nn.Module) -> None:
-        for child in module.children():
-            walk(child, child if isinstance(child, PreTrainedModel) else init_owner)
-        visited.append((module, init_owner))
+def _dry_run(plan: Plan) -> None:
+    """Every step once, in the whole build's order from the generator's state now, on temporary storages of one
+    module at a time: records each step's generator state, and refuses what no step sets."""
+    scratch = _Scratch(max((_Scratch.nbytes_for(r.storages) for r in plan.records.values()), default=0))
+    coverage, states = _Coverage(), _States()
+    for name, group in itertools.groupby(plan.order, key=lambda item: item[0]):
+        _dry_run_module(name, plan.records[name], plan.modules.get(name), [s for _, s in group], scratch,
+                        coverage, states)
+    coverage.refuse_uncovered(plan)
 
-    walk(model, model)
-    return visited
+
+def _dry_run_module(name: str, recorded: ModuleRecord, module: nn.Module | None, steps: list, scratch: _Scratch,
+                    coverage: _Coverage, states: _States) -> None:
+    """One run of consecutive steps of one module (twice, with its integer tensors filled low then high)."""
+    integral = [t for t, (_, view) in recorded.tensors.items() if not view.is_floating]
+    start, end, low = torch.get_rng_state(), None, {}
+    own = own_tensors(module) if module is not None else {}
+    for fill in (0, 1) if integral else (0,):
+        torch.set_rng_state(start)
+        bases = scratch.bases(recorded.storages)
+        views = recorded.views(bases)
+        for tensor_name in integral:
+            views[tensor_name].fill_(_lowest_highest(views[tensor_name].dtype)[fill])
+        watch = _NoMetaOperands()
+        with _installed(module, views, own), watch, torch.no_grad(), _failures_named(name, recorded.cls):
+            for step in steps:
+                if fill == 0 and recorded.cls is not None:
+                    recorded.steps.append((states.now(), step))
+                step.run(module, bases)
+        if watch.touched_meta:
+            raise NotReplayable(f"{describe(name, recorded.cls)}: its initialization reads or writes tensors of "
+                                "other modules")
+        if fill == 0:
+            end, low = torch.get_rng_state(), {t: views[t].clone() for t in integral}
+            coverage.floating(name, {t: v for t, v in views.items() if t not in integral})
+        else:
+            if not torch.equal(end, torch.get_rng_state()):
+                raise NotReplayable(f"{describe(name, recorded.cls)}: its initialization draws a different number "
+                                    "of random values depending on its tensors' earlier values")
+            coverage.integral(name, {t: (low[t], views[t]) for t in integral})
 
 
 def shared_tensors(model: nn.Module) -> dict[int, list[str]]:
     owners: dict[int, list[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, tensor in _own_tensors(module).items():
+        for name, tensor in own_tensors(module).items():
             owners.setdefault(id(tensor), []).append(f"{module_name}.{name}" if module_name else name)
     return {key: names for key, names in owners.items() if len(set(names)) > 1}
 
@@ -305,49 +369,33 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitRepl
     The replay is also attached to the model: ``auto_model`` materializes it after sharding (``replay_of``).
 
     Raises ``NotReplayable`` (with the module and the reason) when the model's initialization cannot be replayed.
+
+    >>> torch.manual_seed(0); model, replay = build_on_meta(lambda: nn.Linear(4, 4))  # doctest: +SKIP
+    >>> replay.materialize(model)  # the values nn.Linear(4, 4) has after torch.manual_seed(0)  # doctest: +SKIP
     """
     start = torch.get_rng_state()
-    model, planned = _plan(factory)
+    model, log = record(factory)
     shared = shared_tensors(model)
     if shared:
         names = next(iter(shared.values()))
         raise NotReplayable(f"{' and '.join(names)} are one tensor (tied weights): they are initialized as one")
-    replay = InitReplay(dtypes={(id(m), n): t.dtype for m in model.modules() for n, t in _own_tensors(m).items()})
-    covered: dict[int, set[str]] = {}
-    scratch = _Scratch(max((_Scratch.nbytes_for(m, replay.dtypes) for m, _ in planned), default=0))
-    mask = torch.empty(1 << 20, dtype=torch.bool)
+    plan = resolve(model, log)
+    del log  # the construction's temporaries: only their sizes were needed
     torch.set_rng_state(start)
-    for module, run in planned:
-        state = torch.get_rng_state()
-        watch = _NoMetaOperands()
-        with _temporarily_full(module, replay.dtypes, scratch) as full, watch:
-            run(module)
-        if watch.touched_meta:
-            raise NotReplayable(f"{type(module).__name__}'s initialization writes tensors of other modules")
-        replay.steps.setdefault(id(module), []).append(_Step(run, state))
-        done = covered.setdefault(id(module), set())
-        done.update(name for name, value in full.items() if not _any_unwritten(value, mask))
-    for module_name, module in model.named_modules():
-        missing = sorted(set(_own_tensors(module)) - covered.get(id(module), set()))
-        if missing:
-            where = f"{module_name}." if module_name else ""
-            raise NotReplayable(f"{', '.join(where + n for n in missing)} ({type(module).__name__}) is not set by any "
-                                "reset_parameters() or Hugging Face _init_weights: its value is made in __init__")
-    object.__setattr__(model, REPLAY_ATTR, replay)  # not a submodule: a plain attribute
+    try:
+        _dry_run(plan)
+    except NotReplayable:
+        torch.set_rng_state(start)
+        raise
+    replay = InitReplay({name: r for name, r in plan.records.items() if r.cls is not None})
+    replay.bind(model)
     return model, replay
 
 
-def _any_unwritten(value: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether a temporary tensor still holds its fill somewhere, tested a chunk at a time into ``mask`` (a bool
-    tensor kept for the whole dry run): a fresh mask per tensor, freed between the generator states the dry run keeps,
-    fragments the heap as module-sized tensors do (see ``_Scratch``)."""
-    flat, chunk = value.reshape(-1), mask.numel()
-    floating = value.dtype.is_floating_point or value.dtype.is_complex
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk]
-        found = mask[:part.numel()]
-        # NaN is the one value unequal to itself
-        torch.ne(part, part, out=found) if floating else torch.eq(part, torch.iinfo(value.dtype).min, out=found)
-        if found.any():
-            return True
-    return False
+def _any_unwritten(value: torch.Tensor) -> bool:
+    """Whether a floating tensor still holds its NaN fill somewhere: ``amax`` propagates NaN, in one pass that
+    allocates nothing (a mask as large as the tensor, freed between the generator states the dry run keeps, would
+    fragment the heap as module-sized tensors do: see ``_Scratch``)."""
+    if value.numel() == 0:
+        return False
+    return bool(torch.isnan((torch.view_as_real(value) if value.is_complex() else value).amax()))

@@ -1,9 +1,6 @@
-"""How to apply each wrapper; ``auto_model`` decides which, these functions only build it (fsdp2's steps, TP
-included, are ``parallelize``'s).
-
-Every function takes the model already on its device and returns the wrapped model. Keyword
-arguments are the wrapper's own, forwarded as given, plus the hydraddp policy keywords
-(``auto_wrap_policy``, ``block_classes``, ``min_num_params``) for the FSDP ones.
+"""The wrappers of the wraps other than fsdp2 (whose ``fully_shard`` step is ``parallelize.apply_fsdp2``): step 4 of
+``parallelize``. Each takes the model (on its device, but under fsdp still on the meta device or the CPU) and the
+``ParallelPlan``, and returns the wrapped model; the plan's ``wrapper_kwargs`` are the wrapper's own, as given.
 """
 
 from __future__ import annotations
@@ -16,8 +13,8 @@ import torch
 from torch import nn
 
 from hydraddp.distributed import meta_init
-from hydraddp.distributed.policies import resolve_policy
-from hydraddp.distributed.precision import PrecisionSpec, fsdp1_mixed_precision
+from hydraddp.distributed.parallel_plan import ParallelPlan
+from hydraddp.distributed.precision import fsdp1_mixed_precision
 
 T = TypeVar("T")
 
@@ -44,14 +41,6 @@ def was_replaced(param: torch.Tensor) -> bool:
 BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
 
 
-def pop_policy(kwargs: dict[str, Any]) -> Any:
-    return resolve_policy(
-        kwargs.pop("auto_wrap_policy", None),
-        block_classes=kwargs.pop("block_classes", None),
-        min_num_params=kwargs.pop("min_num_params", None),
-    )
-
-
 def _enum(enum_cls: Any, value: Any) -> Any:
     """Accept FSDP1 enum members or their names in any case (config files hold strings)."""
     if value is None or isinstance(value, enum_cls):
@@ -63,11 +52,21 @@ def _enum(enum_cls: Any, value: Any) -> Any:
         raise ValueError(f"{enum_cls.__name__}={value!r} is not an option; use one of: {valid}") from None
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, **kwargs: Any) -> nn.Module:
-    if device.type == "cuda":
+def apply_none(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    return model
+
+
+def apply_dp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    return nn.DataParallel(model, **plan.wrapper_kwargs)
+
+
+def apply_ddp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    kwargs = dict(plan.wrapper_kwargs)
+    if plan.device.type == "cuda":
         if "device_ids" in kwargs:
-            raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{device.index}]); drop device_ids={kwargs['device_ids']}")
-        kwargs["device_ids"] = [device.index]
+            raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{plan.device.index}]); drop "
+                             f"device_ids={kwargs['device_ids']}")
+        kwargs["device_ids"] = [plan.device.index]
     from hydraddp.distributed import simulated
 
     if simulated.active():  # a plan: DDP's reducer needs real storage, its stand-in holds the same bytes
@@ -75,15 +74,14 @@ def wrap_ddp(model: nn.Module, device: torch.device, **kwargs: Any) -> nn.Module
     return nn.parallel.DistributedDataParallel(model, **kwargs)
 
 
-def wrap_dp(model: nn.Module, **kwargs: Any) -> nn.Module:
-    return nn.DataParallel(model, **kwargs)
-
-
-def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offload: bool, **kwargs: Any) -> nn.Module:
+def apply_fsdp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    """FSDP1's ``FullyShardedDataParallel``, its units from the plan's policy. A model built on the meta device is
+    filled unit by unit as FSDP1 wraps it (``param_init_fn``)."""
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    kwargs["auto_wrap_policy"] = pop_policy(kwargs)
+    kwargs = {**plan.wrapper_kwargs, "auto_wrap_policy": plan.units}
+    device = plan.device
     # On CPU FSDP1 must be told device_id=cpu, or it looks for an accelerator.
     kwargs.setdefault("device_id", device)
     # Every rank starts from rank 0's weights, whatever each rank's seed or loaded checkpoint. FSDP1 does that
@@ -97,17 +95,14 @@ def wrap_fsdp1(model: nn.Module, device: torch.device, spec: PrecisionSpec, offl
     replay = meta_init.replay_of(model)
     if replay is not None:  # built on the meta device: FSDP1 asks for each module's values as it wraps its unit
         kwargs.setdefault("param_init_fn", lambda module: replay.materialize_module(module, device))
-    if offload:
+    if plan.offload:
         kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))
     if kwargs.get("mixed_precision") is None:
-        kwargs["mixed_precision"] = fsdp1_mixed_precision(spec)
+        kwargs["mixed_precision"] = fsdp1_mixed_precision(plan.precision)
     for key, enum_cls in (("backward_prefetch", BackwardPrefetch), ("sharding_strategy", ShardingStrategy)):
         if key in kwargs:
             kwargs[key] = _enum(enum_cls, kwargs[key])
-    before = list(model.parameters())
-    wrapped = FSDP(model, **kwargs)
-    remember_replaced(before, wrapped)
-    return wrapped
+    return FSDP(model, **kwargs)
 
 
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024  # per coalesced broadcast (DDP's own module sync sends 250 MB at once)
@@ -162,11 +157,11 @@ def convert_batchnorm(model: nn.Module, factory: Any) -> nn.Module:
     return model
 
 
-def wrap_horovod(model: nn.Module, sync_bn: bool) -> nn.Module:
+def apply_horovod(model: nn.Module, plan: ParallelPlan) -> nn.Module:
     """Horovod's data parallelism: every rank starts from rank 0's parameters and buffers."""
     import horovod.torch as hvd
 
-    if sync_bn:
+    if plan.sync_bn:
         model = convert_batchnorm(
             model,
             lambda bn: hvd.SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats).to(
