@@ -7,15 +7,21 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from hydraddp.distributed.meta_init import shared_tensors
+
 Shapes = Mapping[str, Sequence[int]]
 
 
 def tied_keys(model: nn.Module) -> dict[str, list[str]]:
-    """Each state_dict key of a tensor that several keys share (tied embeddings) -> all of its keys."""
-    by_tensor: dict[int, list[str]] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        by_tensor.setdefault(id(tensor), []).append(key)
-    return {key: keys for keys in by_tensor.values() if len(keys) > 1 for key in keys}
+    """Each state_dict key of a tensor that several keys share (tied embeddings) -> all of its keys, in the state
+    dict's order (the meta build's own detection, ``meta_init.shared_tensors``, read as state_dict keys)."""
+    keys = set(model.state_dict(keep_vars=True))
+    tied: dict[str, list[str]] = {}
+    for names in shared_tensors(model).values():
+        group = [name for name in dict.fromkeys(names) if name in keys]
+        if len(group) > 1:
+            tied.update(dict.fromkeys(group, group))
+    return tied
 
 
 def shapes(state: Mapping[str, object]) -> dict[str, tuple[int, ...]]:
