@@ -88,52 +88,92 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
     """Every problem of the composed ``cfg`` (whose core view is ``combo``, when known), each naming its config keys
     and the fix."""
     found = check_compatibility(combo or combination_of(cfg)) + range_problems(cfg)
+    for rule in SETTING_RULES:
+        found += rule(cfg)
+    found += mesh_problems(cfg, combo or combination_of(cfg)) + tp_plan_problems(cfg)
+    return found + launcher_problems(cfg)
+
+
+def _preempt_signal_problems(cfg: DictConfig) -> list[Problem]:
     try:
         signal_numbers(list(cfg.checkpoint.preempt_signals))
     except ValueError as exc:
-        found.append(Problem(("checkpoint.preempt_signals",), f"checkpoint.preempt_signals: {exc}.",
-                             "Name signals as Python's signal module does (SIGTERM, SIGUSR2), or set [] for none."))
+        return [Problem(("checkpoint.preempt_signals",), f"checkpoint.preempt_signals: {exc}.",
+                        "Name signals as Python's signal module does (SIGTERM, SIGUSR2), or set [] for none.")]
+    return []
+
+
+def _run_name_problems(cfg: DictConfig) -> list[Problem]:
     unnamed = names.run_name_problem(cfg.tracking.run_name)
-    if unnamed:
-        found.append(Problem(("tracking.run_name",), f"{unnamed}.",
-                             f"Use only {', '.join('{' + f + '}' for f in names.RUN_NAME_FIELDS)} (and any text), "
-                             "e.g. tracking.run_name='{experiment}-{wrap}-{precision}-w{world}-{id}'."))
+    if not unnamed:
+        return []
+    return [Problem(("tracking.run_name",), f"{unnamed}.",
+                    f"Use only {', '.join('{' + f + '}' for f in names.RUN_NAME_FIELDS)} (and any text), "
+                    "e.g. tracking.run_name='{experiment}-{wrap}-{precision}-w{world}-{id}'.")]
+
+
+def _init_device_problems(cfg: DictConfig) -> list[Problem]:
     init_device = cfg.model.get("init_device", "auto")
-    if init_device not in INIT_DEVICES:
-        found.append(Problem(("model.init_device",), f"model.init_device={init_device} is not one of "
-                             f"{', '.join(INIT_DEVICES)}.",
-                             "Set model.init_device=auto (meta under fsdp/fsdp2), meta or cpu (the whole model on "
-                             "every rank)."))
+    if init_device in INIT_DEVICES:
+        return []
+    return [Problem(("model.init_device",), f"model.init_device={init_device} is not one of "
+                    f"{', '.join(INIT_DEVICES)}.",
+                    "Set model.init_device=auto (meta under fsdp/fsdp2), meta or cpu (the whole model on "
+                    "every rank).")]
+
+
+def _scaler_problems(cfg: DictConfig) -> list[Problem]:
     scaler_keys = [f"precision.{k}={cfg.precision[k]}" for k in SCALER_KEYS if cfg.precision[k] is not None]
-    if scaler_keys and cfg.precision.name != "fp16":
-        found.append(Problem(
-            ("precision", *(k.split("=")[0] for k in scaler_keys)),
-            f"precision={cfg.precision.name} uses no grad scaler, but {', '.join(scaler_keys)} is set.",
-            "Drop the grad scaler settings, or use precision=fp16 (the only mode that scales gradients).",
-        ))
+    if not scaler_keys or cfg.precision.name == "fp16":
+        return []
+    return [Problem(
+        ("precision", *(k.split("=")[0] for k in scaler_keys)),
+        f"precision={cfg.precision.name} uses no grad scaler, but {', '.join(scaler_keys)} is set.",
+        "Drop the grad scaler settings, or use precision=fp16 (the only mode that scales gradients).",
+    )]
+
+
+def _accumulation_problems(cfg: DictConfig) -> list[Problem]:
+    """Gradient accumulation splits each rank's batch into equal micro-batches."""
     accumulate, world = cfg.trainer.accumulate_grad_batches, data_parallel_size(cfg)
     per_rank = cfg.data.batch_size // world if world else 0
-    if accumulate > 1 and per_rank and per_rank % accumulate:
-        divisors = [d for d in range(2, per_rank + 1) if per_rank % d == 0][:6]
-        found.append(Problem(
-            ("trainer.accumulate_grad_batches", "data.batch_size"),
-            f"trainer.accumulate_grad_batches={accumulate} does not divide the per-rank batch of {per_rank} "
-            f"(data.batch_size={cfg.data.batch_size} over {world} ranks) into equal micro-batches.",
-            f"Set trainer.accumulate_grad_batches to a divisor of {per_rank} ({', '.join(map(str, divisors))}, ...), "
-            "or change data.batch_size.",
-        ))
-    if cfg.optim.no_decay_norm_and_bias and cfg.wrap.name == "fsdp" and cfg.wrap.kwargs.get("use_orig_params") is False:
-        found.append(Problem(
-            ("optim.no_decay_norm_and_bias", "wrap.kwargs.use_orig_params"),
-            "optim.no_decay_norm_and_bias=true needs FSDP1's original parameters, but "
-            "wrap.kwargs.use_orig_params=false flattens them into one parameter per unit: biases and norm weights "
-            "could not be told apart.",
-            "Drop wrap.kwargs.use_orig_params (hydraddp then sets it to true), "
-            "or set optim.no_decay_norm_and_bias=false.",
-        ))
-    found += mesh_problems(cfg, combo or combination_of(cfg)) + tp_plan_problems(cfg)
+    if not (accumulate > 1 and per_rank and per_rank % accumulate):
+        return []
+    divisors = [d for d in range(2, per_rank + 1) if per_rank % d == 0][:6]
+    return [Problem(
+        ("trainer.accumulate_grad_batches", "data.batch_size"),
+        f"trainer.accumulate_grad_batches={accumulate} does not divide the per-rank batch of {per_rank} "
+        f"(data.batch_size={cfg.data.batch_size} over {world} ranks) into equal micro-batches.",
+        f"Set trainer.accumulate_grad_batches to a divisor of {per_rank} ({', '.join(map(str, divisors))}, ...), "
+        "or change data.batch_size.",
+    )]
+
+
+def _no_decay_problems(cfg: DictConfig) -> list[Problem]:
+    if not (cfg.optim.no_decay_norm_and_bias and cfg.wrap.name == "fsdp"
+            and cfg.wrap.kwargs.get("use_orig_params") is False):
+        return []
+    return [Problem(
+        ("optim.no_decay_norm_and_bias", "wrap.kwargs.use_orig_params"),
+        "optim.no_decay_norm_and_bias=true needs FSDP1's original parameters, but "
+        "wrap.kwargs.use_orig_params=false flattens them into one parameter per unit: biases and norm weights "
+        "could not be told apart.",
+        "Drop wrap.kwargs.use_orig_params (hydraddp then sets it to true), "
+        "or set optim.no_decay_norm_and_bias=false.",
+    )]
+
+
+# The settings only config has, each checked on its own, in the order their problems are listed.
+SETTING_RULES = (_preempt_signal_problems, _run_name_problems, _init_device_problems, _scaler_problems,
+                 _accumulation_problems, _no_decay_problems)
+
+
+def launcher_problems(cfg: DictConfig) -> list[Problem]:
+    """The launcher group's processes, nodes and rendezvous; none when attached (torchrun/SLURM already decided
+    processes and nodes, and the launcher group is unused)."""
     if detect_launch_env() is not None:
-        return found  # attached: torchrun/SLURM already decided processes and nodes; the launcher group is unused
+        return []
+    found = []
     launcher = cfg.launcher
     if launcher.nproc_per_node < 1 or launcher.nnodes < 1:
         found.append(Problem(("launcher.nproc_per_node", "launcher.nnodes"),

@@ -1,6 +1,7 @@
 """Start workers on this node: torch's elastic agent (the engine behind torchrun) for the native backends, Horovod's
-own runner for Horovod. Each worker starts its computation model, runs ``fn(local_rank, *args, **kwargs)`` and
-tears the model down; a failure comes back as one ``WorkerFailedError`` naming the first failing rank."""
+own runner for Horovod. Each worker starts the computation model that spawned it, runs
+``fn(local_rank, *args, **kwargs)`` and tears the model down; a failure comes back as one ``WorkerFailedError``
+naming the first failing rank."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from hydraddp.distributed import machine, utils
-from hydraddp.distributed.comp_models.horovod import HOROVOD
+from hydraddp.distributed import context, machine
+from hydraddp.distributed.comp_models.base import ComputationModel
 from hydraddp.distributed.env import free_port
 
 
@@ -38,6 +39,7 @@ class WorkerFailedError(RuntimeError):
 class _Entry:
     """What each spawned worker runs. A dataclass so spawn can pickle it."""
 
+    model_cls: type[ComputationModel]  # the model that spawned the workers, started in each of them
     backend: str
     fn: Callable[..., Any]
     args: tuple
@@ -62,9 +64,10 @@ class _Entry:
         if threads and threads.isdigit():
             torch.set_num_threads(int(threads))  # the env var alone can arrive after torch set its pool up
         try:
-            utils.initialize(self.backend, **self.init_kwargs)
-            result = self.fn(utils.get_local_rank(), *self.args, **self.kwargs)
-            utils.barrier()  # nobody tears the group down while a peer still talks to it
+            context.raise_if_active()
+            context.start(self.model_cls, self.backend, **self.init_kwargs)
+            result = self.fn(context.model().get_local_rank(), *self.args, **self.kwargs)
+            context.model().barrier()  # nobody tears the group down while a peer still talks to it
             return result
         except BaseException as exc:
             self._record_failure(exc)
@@ -72,7 +75,7 @@ class _Entry:
                 _stop_without_unwinding()
             raise
         finally:
-            utils.finalize()
+            context.finalize()
 
     def _record_failure(self, exc: BaseException) -> None:
         # torch reports only the rank whose exit it noticed first, often a peer that failed *because* the
@@ -186,6 +189,7 @@ def _one_thread_per_rank(nproc_per_node: int) -> dict[str, str]:
 
 
 def launch(
+    model_cls: type[ComputationModel],
     backend: str,
     fn: Callable[..., Any],
     args: tuple,
@@ -206,17 +210,50 @@ def launch(
     start_method: str = "spawn",
     **init_kwargs: Any,
 ) -> dict[int, Any]:
-    """Spawn ``nproc_per_node`` workers through ``torch.distributed.launcher.api.elastic_launch``.
+    """Spawn ``nproc_per_node`` workers through ``torch.distributed.launcher.api.elastic_launch``, each starting
+    ``model_cls`` on ``backend``.
 
     One node uses torchrun's static rendezvous; ``nnodes>1`` uses c10d at ``rdzv_endpoint`` (or
     ``master_addr:master_port``), hosted by node 0. ``max_restarts`` restarts the group, ``log_dir`` gets per-rank
-    logs, ``init_kwargs`` go to each worker's ``initialize``.
+    logs, ``init_kwargs`` go to each worker's ``create_from_backend``.
     Returns ``{global_rank: fn's return value}`` for this node's ranks.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
+
+    config = _launch_config(
+        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+        master_port=master_port, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_timeout=rdzv_timeout,
+        run_id=run_id, log_dir=log_dir, tee=tee, monitor_interval=monitor_interval, start_method=start_method,
+    )
+    if config.start_method == "fork":
+        # DDP's and FSDP's constructors import torch._dynamo (about 2 CPU-seconds here): imported once in this
+        # process, each forked worker inherits it instead of importing it again. (py-spy: it was 85% of a DDP
+        # worker's time before its first step.) It starts no thread, so forking after it stays safe.
+        import torch._dynamo  # noqa: F401
+    failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
+    entry = _Entry(model_cls, backend, fn, args, kwargs, init_kwargs, failure_dir,
+                   forked=config.start_method == "fork")
+    try:
+        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors():
+            return elastic_launch(config, _run_entry)(entry)
+    except ChildFailedError as exc:
+        raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None
+    except SignalException as exc:
+        # The agent already stopped every worker; report it as the interrupt it was.
+        raise KeyboardInterrupt(f"stopped by {exc.sigval.name}") from None
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+
+
+def _launch_config(*, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None,
+                   master_port: int | str | None, max_restarts: int, rdzv_endpoint: str | None, rdzv_timeout: int,
+                   run_id: str, log_dir: str | os.PathLike | None, tee: bool, monitor_interval: float,
+                   start_method: str) -> Any:
+    """torch's ``LaunchConfig`` for ``launch``: the rendezvous, the restarts and where the ranks' logs go."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
 
     if nnodes > 1 and not (rdzv_endpoint or (master_addr and master_port)):
         raise ValueError(
@@ -237,7 +274,7 @@ def launch(
         redirects=Std.ALL if log_dir else Std.NONE,
         tee=Std.ALL if (log_dir and tee) else Std.NONE,
     )
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc_per_node,
@@ -250,23 +287,6 @@ def launch(
         start_method=start_method,
         logs_specs=logs,
     )
-    if config.start_method == "fork":
-        # DDP's and FSDP's constructors import torch._dynamo (about 2 CPU-seconds here): imported once in this
-        # process, each forked worker inherits it instead of importing it again. (py-spy: it was 85% of a DDP
-        # worker's time before its first step.) It starts no thread, so forking after it stays safe.
-        import torch._dynamo  # noqa: F401
-    failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
-    entry = _Entry(backend, fn, args, kwargs, init_kwargs, failure_dir, forked=config.start_method == "fork")
-    try:
-        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors():
-            return elastic_launch(config, _run_entry)(entry)
-    except ChildFailedError as exc:
-        raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None
-    except SignalException as exc:
-        # The agent already stopped every worker; report it as the interrupt it was.
-        raise KeyboardInterrupt(f"stopped by {exc.sigval.name}") from None
-    finally:
-        shutil.rmtree(failure_dir, ignore_errors=True)
 
 
 # horovod.run (0.28.1) sets these to "(None,)" in every worker, from a stray comma in its _HorovodArgs, over any value
@@ -275,14 +295,16 @@ def launch(
 HOROVOD_RUN_MISSETS = ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")
 
 
-def launch_horovod(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], nproc_per_node: int,
-                   hosts: str | None = None, **init_kwargs: Any) -> dict[int, Any]:
-    """Spawn through Horovod's own runner (gloo controller), as horovodrun would."""
+def launch_horovod(model_cls: type[ComputationModel], backend: str, fn: Callable[..., Any], args: tuple,
+                   kwargs: dict[str, Any], nproc_per_node: int, hosts: str | None = None,
+                   **init_kwargs: Any) -> dict[int, Any]:
+    """Spawn through Horovod's own runner (gloo controller), as horovodrun would; each worker starts ``model_cls``
+    on ``backend``."""
     import horovod
 
     failure_dir = tempfile.mkdtemp(prefix="hydraddp-failures-")
     # The launcher's own values (or none: Horovod's defaults) replace what horovod.run sets there.
-    entry = _Entry(HOROVOD, fn, args, kwargs, init_kwargs, failure_dir,
+    entry = _Entry(model_cls, backend, fn, args, kwargs, init_kwargs, failure_dir,
                    env={key: os.environ.get(key) for key in HOROVOD_RUN_MISSETS})
     try:
         with _worker_env(_one_thread_per_rank(nproc_per_node)):

@@ -1,9 +1,9 @@
 """The functional API: ignite 0.5.5's ``idist`` names and semantics, all reading one computation model.
 
-The model is set by ``initialize``/``spawn``/``Parallel``. While it is the serial one and nobody pinned it, each
-call looks for a process group someone else started (torchrun script, user code, Horovod) and adopts it, as
-ignite's ``sync`` does. ``current()`` is that one place; ``_model`` (ignite's private name, read by ignite's own
-tests) is a read-only view of it.
+The model is set by ``initialize``/``spawn``/``Parallel`` and held in ``context``. While it is the serial one and
+nobody pinned it, each call looks for a process group someone else started (torchrun script, user code, Horovod) and
+adopts it, as ignite's ``sync`` does. ``current()`` is that one place; ``_model`` (ignite's private name, read by
+ignite's own tests) is a read-only view of it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hydraddp.distributed import machine
+from hydraddp.distributed import context
 from hydraddp.distributed.comp_models import registered_computation_models
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list, _SerialModel
 from hydraddp.distributed.comp_models.horovod import HOROVOD, _horovod_loads, _HorovodDistModel
@@ -26,6 +26,7 @@ from hydraddp.distributed.comp_models.native import (NATIVE_BACKENDS, _NativeDis
                                                      native_backends_available)
 from hydraddp.distributed.comp_models.xla import NOT_SUPPORTED as XLA_NOT_SUPPORTED
 from hydraddp.distributed.comp_models.xla import XLA_TPU, has_xla_support
+from hydraddp.distributed.context import finalize
 
 __all__ = [
     "backend", "broadcast", "device", "available_backends", "model_name", "get_world_size", "get_rank",
@@ -35,11 +36,6 @@ __all__ = [
     "new_group", "one_rank_first", "all_gather_tensors_with_shapes",
 ]
 
-_context: ComputationModel = _SerialModel()
-# False once a model was set for good (initialize, spawn): then nothing is looked up again.
-_look_for_context = True
-
-
 def __getattr__(name: str) -> Any:
     if name == "_model":
         return current()
@@ -48,11 +44,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _set_model(model: ComputationModel, temporary: bool = False) -> None:
-    """Make ``model`` the current one. A serial or ``temporary`` model leaves the lookup on."""
-    global _context, _look_for_context
-    _context = model
-    _look_for_context = temporary or isinstance(model, _SerialModel)
+_set_model = context.set_model  # ignite's private name, which ignite's own tests call
 
 
 def sync(temporary: bool = False) -> None:
@@ -69,9 +61,9 @@ def sync(temporary: bool = False) -> None:
 
 def current() -> ComputationModel:
     """The computation model every function here reads."""
-    if _look_for_context and isinstance(_context, _SerialModel):
+    if context.looking_for_context():
         sync(temporary=True)
-    return _context
+    return context.model()
 
 
 def is_available(backend: str) -> bool:
@@ -105,25 +97,15 @@ def initialize(backend: str, **kwargs: Any) -> None:
     >>> import hydraddp.distributed as idist
     >>> idist.initialize("gloo")  # doctest: +SKIP
     """
-    if not isinstance(_context, _SerialModel):
-        raise RuntimeError(f"A distributed context is already active ({_context!r}); call finalize() first")
+    context.raise_if_active()
     if backend == XLA_TPU:
         raise ValueError(XLA_NOT_SUPPORTED)
-    if backend in (*NATIVE_BACKENDS, HOROVOD):
-        machine.raise_for_problems(machine.combination(backend=backend), ["backend"])
     if backend in NATIVE_BACKENDS:
-        _set_model(_NativeDistModel.create_from_backend(backend, **kwargs))
+        context.start(_NativeDistModel, backend, **kwargs)
     elif backend == HOROVOD:
-        _set_model(_HorovodDistModel.create_from_backend(backend, **kwargs))
+        context.start(_HorovodDistModel, backend, **kwargs)
     else:
         raise ValueError(f"Backend should be one of '{available_backends()}', but given {backend!r}")
-
-
-def finalize() -> None:
-    """Tear down the context (``dist.destroy_process_group()`` for the native backends); then the serial model
-    answers again."""
-    _context.finalize()
-    _set_model(_SerialModel())
 
 
 def spawn(backend: str, fn: Callable, args: tuple, kwargs_dict: Mapping | None = None, nproc_per_node: int = 1,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -129,21 +129,56 @@ def _first_batch(cfg: DictConfig) -> Any:
 
 def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     """Plan ``cfg`` (composed and validated, ``backend=auto`` decided) as ``rank`` of ``world_size``."""
-    import hydraddp.distributed as idist
-    from hydraddp.build import build_path, instantiate_model, wrap_model
-    from hydraddp.config.instantiate import instantiate
     from hydraddp.distributed.precision import precision_spec
-    from hydraddp.distributed.simulated import simulated_world
-    from hydraddp.train import tasks
-    from hydraddp.train.metrics import TensorPeak
-    from hydraddp.train.optim import parameter_groups
-    from hydraddp.train.step import train_step
 
     started = time.perf_counter()
     compiled = bool(cfg.trainer.compile)
     if compiled:  # fake tensors run eagerly: the plan counts the eager step (said in ``unsure``)
         cfg = copy.deepcopy(cfg)
         cfg.trainer.compile = False
+    run = _simulate(cfg, world_size, rank)
+    spec = precision_spec(cfg.precision.name)
+    units, unsharded = _units(cfg, run, spec)
+    unsure, margin = _unsure(cfg, run.wrap, units, spec, compiled)
+    report, peak, built = run.report, run.peak, run.build
+    pretrained = cfg.model.get("pretrained")
+    return Estimate(
+        build=built, build_bytes=report.param_bytes + run.largest_module_bytes if built == "meta" else run.whole_bytes,
+        pretrained_read_bytes=_read_bytes(pretrained, report.local_numel) if pretrained else None,
+        wrap=run.wrap, precision=spec.name, world_size=world_size, rank=rank,
+        units=units, param_bytes=report.param_bytes, grad_bytes=report.grad_bytes,
+        optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,
+        activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),
+        peak_bytes=peak.peak_bytes, batch_per_rank=run.batch_per_rank, seconds=time.perf_counter() - started,
+        unsure=unsure, peak_margin_bytes=margin,
+        mesh=MeshShape.of(cfg.mesh).resolved(world_size).label() if run.wrap == "fsdp2" else None)
+
+
+class _Simulated(NamedTuple):
+    """What the simulated run of one rank saw: the model before and after wrapping, and its two steps."""
+
+    numel_by_name: dict[str, int]  # the bare model's parameters
+    build: str  # hydraddp.build.build_path
+    whole_bytes: int  # the bare model's parameters and buffers
+    largest_module_bytes: int  # the largest module's own parameters and buffers
+    wrap: str  # the realized wrap (wrap=auto decided)
+    report: Any  # the WrapReport after the first step
+    peak: Any  # the TensorPeak of the second step
+    batch_per_rank: int
+
+
+def _simulate(cfg: DictConfig, world_size: int, rank: int) -> _Simulated:
+    """Build, wrap and step ``cfg``'s model as ``rank`` of ``world_size`` in a simulated world: the first step makes
+    the optimizer state (as in the run), the second is measured."""
+    import hydraddp.distributed as idist
+    from hydraddp.build import build_path, instantiate_model, wrap_model
+    from hydraddp.config.instantiate import instantiate
+    from hydraddp.distributed.simulated import simulated_world
+    from hydraddp.train import tasks
+    from hydraddp.train.metrics import TensorPeak
+    from hydraddp.train.optim import parameter_groups
+    from hydraddp.train.step import train_step
+
     nproc = min(cfg.launcher.nproc_per_node, world_size)
     with simulated_world(world_size, cfg.backend.name, nproc, rank, mesh_shape=dict(cfg.mesh)):
         batch = _first_batch(cfg)
@@ -164,22 +199,28 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         with TensorPeak(model, optimizer) as peak:
             step()
         batch_per_rank = tasks.batch_size(batch)
-
-    spec = precision_spec(cfg.precision.name)
-    compute_size = torch.empty((), dtype=spec.compute_dtype).element_size()
-    storage_size = torch.empty((), dtype=spec.storage_dtype).element_size()
     realized = model._hydraddp_wrap.wrap  # wrap=auto decided (DDP's stand-in reports itself as unwrapped)
-    if realized in ("fsdp", "fsdp2"):
-        sizes = _unit_sizes(numel_by_name, report.units)
-        units = [Unit(name, numel, name in report.checkpointed, name in report.compiled) for name, numel in sizes.items()]
+    return _Simulated(numel_by_name, built, whole_bytes, largest_module, realized, report, peak, batch_per_rank)
+
+
+def _units(cfg: DictConfig, run: _Simulated, spec: Any) -> tuple[list[Unit], int]:
+    """The FSDP units or DDP buckets of the realized wrap, and the bytes of the units gathered at once."""
+    if run.wrap in ("fsdp", "fsdp2"):
+        sizes = _unit_sizes(run.numel_by_name, run.report.units)
+        units = [Unit(name, numel, name in run.report.checkpointed, name in run.report.compiled)
+                 for name, numel in sizes.items()]
         in_flight = sorted((u.numel for u in units), reverse=True)[:2]  # the one computing and the one prefetched
-        unsharded = sum(in_flight) * compute_size
-    else:
-        units = ddp_buckets(numel_by_name, storage_size, cfg.wrap.kwargs.get("bucket_cap_mb", BUCKET_CAP_MB)) \
-            if realized == "ddp" else [Unit(ROOT, sum(numel_by_name.values()))]
-        unsharded = 0
+        return units, sum(in_flight) * torch.empty((), dtype=spec.compute_dtype).element_size()
+    storage_size = torch.empty((), dtype=spec.storage_dtype).element_size()
+    units = ddp_buckets(run.numel_by_name, storage_size, cfg.wrap.kwargs.get("bucket_cap_mb", BUCKET_CAP_MB)) \
+        if run.wrap == "ddp" else [Unit(ROOT, sum(run.numel_by_name.values()))]
+    return units, 0
+
+
+def _unsure(cfg: DictConfig, wrap: str, units: list[Unit], spec: Any, compiled: bool) -> tuple[list[str], int]:
+    """Why the planned peak may be off, and by how many bytes at most where that is known."""
     unsure, margin = [], 0
-    if realized == "fsdp" and cfg.backend.name == "gloo":
+    if wrap == "fsdp" and cfg.backend.name == "gloo":
         # gloo has no reduce-scatter of its own: torch runs it as an all-reduce of a copy of the whole gathered
         # gradient, in the reduce dtype. The simulated group reduces in place.
         margin = max((u.numel for u in units), default=0) * torch.empty((), dtype=spec.reduce_dtype).element_size()
@@ -189,14 +230,4 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         unsure.append("offload=cpu: the parameters and optimizer state counted here live in host memory")
     if compiled:
         unsure.append("trainer.compile: the compiled graphs' own buffers are not simulated (they run eagerly here)")
-    pretrained = cfg.model.get("pretrained")
-    return Estimate(
-        build=built, build_bytes=report.param_bytes + largest_module if built == "meta" else whole_bytes,
-        pretrained_read_bytes=_read_bytes(pretrained, report.local_numel) if pretrained else None,
-        wrap=realized, precision=spec.name, world_size=world_size, rank=rank,
-        units=units, param_bytes=report.param_bytes, grad_bytes=report.grad_bytes,
-        optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,
-        activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),
-        peak_bytes=peak.peak_bytes, batch_per_rank=batch_per_rank, seconds=time.perf_counter() - started,
-        unsure=unsure, peak_margin_bytes=margin,
-        mesh=MeshShape.of(cfg.mesh).resolved(world_size).label() if realized == "fsdp2" else None)
+    return unsure, margin

@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 from hydraddp.distributed.mesh import MeshShape
 from hydraddp.tracking import names
+from hydraddp.tracking.client import default_uri, mlflow_client
 from hydraddp.tracking.per_rank import PER_RANK_KEY, STEP_SUFFIX, TABLE_FILE
-from hydraddp.tracking.run import FINISHED, default_uri, mlflow_client
+from hydraddp.tracking.run import FINISHED
 
 # On a sweep's parent run: the FINISHED child with the lowest final train/loss, and the one with the most samples/s.
 TAG_BEST_LOSS_RUN, TAG_BEST_THROUGHPUT_RUN = "hydraddp.best_loss_run", "hydraddp.best_throughput_run"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hydraddp.tracking import names
+from hydraddp.tracking.client import default_uri, mlflow_client
 
 log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
@@ -94,8 +95,6 @@ def for_launch(plan: Any, tracker: Any) -> NodeTracker | None:
 
 def settings_for(plan: Any, node: int, job_dir: Path) -> dict[str, Any]:
     """A node process's settings, from the launch's plan on that node; ``job_dir`` is where it finds the node file."""
-    from hydraddp.tracking.run import default_uri
-
     tracking = plan.config["tracking"]
     return {"uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(job_dir),
             "node": node, "system_metrics": dict(tracking["system_metrics"]),
@@ -137,8 +136,6 @@ class NodeTracker:
 def _wait_for_run(settings: dict[str, Any], ended: threading.Event) -> tuple[str | None, Path]:
     """The run this node's launch logs into, found once the workers wrote the node file (until the launch ended and
     the upload's timeout passed), and the launch's job directory."""
-    from hydraddp.tracking.run import mlflow_client
-
     node_file, deadline = Path(settings["job_dir"], NODE_FILE), None
     while not node_file.exists():
         # Looked at again once the launch ended: a short launch can write the file and end within one poll.
@@ -163,7 +160,6 @@ def _wait_for_run(settings: dict[str, Any], ended: threading.Event) -> tuple[str
 def main() -> int:
     import signal
 
-    from hydraddp.tracking.run import mlflow_client
     from hydraddp.tracking.system_metrics import NodeSystemMetrics
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends us by closing stdin, after its workers

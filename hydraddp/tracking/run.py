@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from hydraddp.tracking import names
+from hydraddp.tracking.client import mlflow_client
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 from hydraddp.tracking.node import upload_node_logs
 from hydraddp.tracking.per_rank import PerRankTable
@@ -37,10 +38,6 @@ PLAN_CHECKED_KEYS = frozenset(names.PLAN_CHECKED.values())
 # sent again); what it cannot log for good it logs as a warning and returns.
 RECORD_HANDLERS = {"input": ("hydraddp.tracking.inputs", "log_input"),
                    "model": ("hydraddp.tracking.logged_model", "log_model")}
-
-
-def default_uri(cwd: Path | None = None) -> str:
-    return f"sqlite:///{(cwd or Path.cwd()).resolve() / 'mlflow.db'}"
 
 
 def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
@@ -104,15 +101,6 @@ def _auth_headers() -> dict[str, str]:
         return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
     token = os.environ.get("MLFLOW_TRACKING_TOKEN")
     return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def mlflow_client(uri: str):
-    # We retry ourselves (the events file keeps every point); mlflow's own backoff would stall for minutes.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
 
 
 class LaunchRun:

@@ -10,8 +10,9 @@ from omegaconf import DictConfig
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp import redaction
 from hydraddp.tracking import names
+from hydraddp.tracking.client import default_uri
 from hydraddp.tracking.process import TrackerProcess
-from hydraddp.tracking.run import default_uri, preflight
+from hydraddp.tracking.run import preflight
 
 PARENT_RUN_ENV = "HYDRADDP_PARENT_RUN_ID"  # set by a sweep for its jobs
 PLANNED_WRAPS = ("none", "ddp", "fsdp", "fsdp2")

@@ -8,7 +8,7 @@ import yaml
 
 from hydraddp.tracking import names
 from hydraddp.tracking.compare import COLUMNS, TABLE_JSON, TABLE_TEXT, readable
-from hydraddp.tracking.run import mlflow_client
+from hydraddp.tracking.client import mlflow_client
 
 
 class SweepRun:

@@ -1,7 +1,8 @@
 """A real training loop: optimizer and scheduler from config, precision, clipping, periodic evaluation.
 
-``train`` reads top to bottom: build this rank's parts (``_build``), then per step the task's step (``step.py``), the
-measurements (``metrics.py``), evaluation and the checkpoint hooks (``resume.py``).
+``train`` reads top to bottom: ``_start`` builds this rank's parts (``_build``) and what the steps report to,
+``_run_steps`` runs per step the task's step (``step.py``), the measurements (``metrics.py``), evaluation and the
+checkpoint hooks (``resume.py``), and ``_finish`` evaluates and records the end.
 """
 
 from __future__ import annotations
@@ -235,6 +236,46 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     if saved_config is None:
         plain = OmegaConf.to_container(cfg, resolve=True)
         saved_config = redaction.redact(plain, redaction.secret_paths(plain))
+    loop = _start(cfg, job_dir, events, saved_config)
+    with preemption.Preemption(list(cfg.checkpoint.preempt_signals), cfg.checkpoint.preempt_check_every) as stop:
+        batch = _run_steps(loop, stop)
+    _close_progress(loop.progress)
+    loop.saver.wait()  # a checkpoint still being written in the background is published before the launch ends
+    if loop.result.preempted is not None:  # the job is about to be killed: no final evaluation
+        result = loop.result
+        result.losses, result.steps = loop.step_log.losses, result.preempted["step"]
+        result.final_loss = result.losses.get(result.steps, float("nan"))
+        return result
+    return _finish(loop, batch)
+
+
+@dataclass
+class _Loop:
+    """What the step loop carries, from ``_start`` to ``_finish``."""
+
+    cfg: DictConfig
+    job_dir: Path | None
+    events: EventWriter | None
+    parts: _Parts
+    device: torch.device
+    world: int
+    build_peak: int  # this rank's memory peak when training began, gathered after the first step
+    datasets: list[Any]  # described before the timed steps, recorded after the first
+    horovod: bool
+    device_flops: float | None
+    start_step: int
+    last_step: int
+    result: TrainResult
+    progress: Any
+    batches: data.Batches
+    saver: resume.Saver
+    throughput: Throughput
+    step_log: StepLog
+
+
+def _start(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None,
+           saved_config: dict[str, Any]) -> _Loop:
+    """This rank's parts built (and loaded, on a resume), and everything the steps report to."""
     device, world, trainer = idist.device(), idist.get_world_size(), cfg.trainer
     parts = _build(cfg, job_dir)
     build_peak = peak_memory_bytes(device)  # gathered after the first step, with the reports
@@ -258,58 +299,74 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
     saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config, events,
                          loader_state=batches.state_dict)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
-    with preemption.Preemption(list(cfg.checkpoint.preempt_signals), cfg.checkpoint.preempt_check_every) as stop:
-        for step in range(start_step + 1, last_step + 1):
-            batch = tasks.to_device(next(batches), device)
-            # The second step, as the plan counts it: optimizer state made, nothing allocated for the first time.
-            measuring = cfg.plan.measure and step == start_step + 2
-            with TensorPeak(model, parts.optimizer, device) if measuring else contextlib.nullcontext() as peak:
-                loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, horovod,
-                                  trainer.accumulate_grad_batches)
-            if measuring:
-                _after_measured_step(peak, result, step, events)
-            if parts.scheduler is not None:
-                parts.scheduler.step()
-            throughput.count(step, tasks.batch_size(batch) * world // parts.tp)  # samples, not copies
-            if step == start_step + 1:
-                _after_first_step(parts, result, step, job_dir, events, build_peak)
-                if events is not None:
-                    inputs.record(events, datasets)
-            stopping = stop.agreed(step)  # every rank the same answer, at the same step
-            if step % trainer.log_every == 0 or step == last_step or stopping:
-                step_log.add(step, loss, _perf(throughput, result, batch, parts.flops_per_token, device_flops, world))
-            step_log.flush(step, step if stopping else last_step)
-            if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step and not stopping:
-                eval_began = time.perf_counter()
-                metrics = evaluate(model, parts.eval_loader, device, task, parts.tp).metrics
-                throughput.leave_out(time.perf_counter() - eval_began)
-                log.info("step %d eval %s", step, _shown(metrics))
-                if events is not None:
-                    events.metrics(names.eval_metrics(metrics), step)
-            saver.after(step, last_step, batch)
-            if progress is not None:
-                progress.update(1)
-            if stopping:
-                result.preempted = _preempted(saver, step, stop, job_dir)
-                break
-    _close_progress(progress)
-    saver.wait()  # a checkpoint still being written in the background is published before the launch ends
-    if result.preempted is not None:  # the job is about to be killed: no final evaluation
-        result.losses, result.steps = step_log.losses, result.preempted["step"]
-        result.final_loss = result.losses.get(result.steps, float("nan"))
-        return result
-    result.steady_samples_per_s = throughput.steady()
-    result.losses = step_log.losses
+    return _Loop(cfg, job_dir, events, parts, device, world, build_peak, datasets, horovod, device_flops, start_step,
+                 last_step, result, progress, batches, saver, throughput, step_log)
+
+
+def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
+    """Steps ``start_step + 1`` to ``last_step``, or until a preemption every rank agreed on. Returns the last batch
+    (None when no step ran)."""
+    cfg, parts, result, events, trainer = loop.cfg, loop.parts, loop.result, loop.events, loop.cfg.trainer
+    model, task, device, last_step = parts.model, parts.task, loop.device, loop.last_step
+    batch = None
+    for step in range(loop.start_step + 1, last_step + 1):
+        batch = tasks.to_device(next(loop.batches), device)
+        # The second step, as the plan counts it: optimizer state made, nothing allocated for the first time.
+        measuring = cfg.plan.measure and step == loop.start_step + 2
+        with TensorPeak(model, parts.optimizer, device) if measuring else contextlib.nullcontext() as peak:
+            loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, loop.horovod,
+                              trainer.accumulate_grad_batches)
+        if measuring:
+            _after_measured_step(peak, result, step, events)
+        if parts.scheduler is not None:
+            parts.scheduler.step()
+        loop.throughput.count(step, tasks.batch_size(batch) * loop.world // parts.tp)  # samples, not copies
+        if step == loop.start_step + 1:
+            _after_first_step(parts, result, step, loop.job_dir, events, loop.build_peak)
+            if events is not None:
+                inputs.record(events, loop.datasets)
+        stopping = stop.agreed(step)  # every rank the same answer, at the same step
+        if step % trainer.log_every == 0 or step == last_step or stopping:
+            loop.step_log.add(step, loss, _perf(loop.throughput, result, batch, parts.flops_per_token,
+                                                loop.device_flops, loop.world))
+        loop.step_log.flush(step, step if stopping else last_step)
+        if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step and not stopping:
+            _evaluate_between_steps(loop, step)
+        loop.saver.after(step, last_step, batch)
+        if loop.progress is not None:
+            loop.progress.update(1)
+        if stopping:
+            result.preempted = _preempted(loop.saver, step, stop, loop.job_dir)
+            break
+    return batch
+
+
+def _evaluate_between_steps(loop: _Loop, step: int) -> None:
+    """A periodic evaluation, its time left out of the throughput."""
+    eval_began = time.perf_counter()
+    metrics = evaluate(loop.parts.model, loop.parts.eval_loader, loop.device, loop.parts.task, loop.parts.tp).metrics
+    loop.throughput.leave_out(time.perf_counter() - eval_began)
+    log.info("step %d eval %s", step, _shown(metrics))
+    if loop.events is not None:
+        loop.events.metrics(names.eval_metrics(metrics), step)
+
+
+def _finish(loop: _Loop, batch: Any) -> TrainResult:
+    """The end of a run that was not preempted: the final evaluation, every rank's memory peak and the logged
+    model."""
+    cfg, parts, result, events, last_step = loop.cfg, loop.parts, loop.result, loop.events, loop.last_step
+    result.steady_samples_per_s = loop.throughput.steady()
+    result.losses = loop.step_log.losses
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
-    result.eval_metrics = evaluate(model, parts.eval_loader, device, task, parts.tp).metrics
+    result.eval_metrics = evaluate(parts.model, parts.eval_loader, loop.device, parts.task, parts.tp).metrics
     result.eval_loss, result.eval_accuracy = result.eval_metrics.get("loss"), result.eval_metrics.get("accuracy")
-    peaks = idist.all_gather(peak_memory_bytes(device))
+    peaks = idist.all_gather(peak_memory_bytes(loop.device))
     result.peak_memory_bytes = [int(p) for p in peaks]
     if events is not None:
         events.metrics({**names.eval_metrics(result.eval_metrics),
                         **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)
     if cfg.tracking.enabled and cfg.tracking.model.enabled:
-        logged_model.record_model(cfg, model, batch if last_step > start_step else None,  # else unbound: no step
-                                  last_step, events, job_dir, saver)
+        logged_model.record_model(cfg, parts.model, batch if last_step > loop.start_step else None,  # None: no step
+                                  last_step, events, loop.job_dir, loop.saver)
     log.info("done: loss %.4f, eval %s", result.final_loss, _shown(result.eval_metrics))
     return result

@@ -104,7 +104,8 @@ class _HorovodDistModel(ComputationModel):
                      "run_id", "log_dir", "tee", "monitor_interval", "join", "daemon"):
             kwargs.pop(name, None)  # the elastic agent's options: Horovod's runner has its own rendezvous
         _dynamic_process_sets()
-        return elastic.launch_horovod(fn, args, dict(kwargs_dict or {}), nproc_per_node, hosts=hosts, **kwargs)
+        return elastic.launch_horovod(_HorovodDistModel, HOROVOD, fn, args, dict(kwargs_dict or {}), nproc_per_node,
+                                      hosts=hosts, **kwargs)
 
     def get_rank(self) -> int:
         return self._hvd.rank()

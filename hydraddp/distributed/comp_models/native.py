@@ -245,9 +245,9 @@ class _NativeDistModel(ComputationModel):
             kwargs["init_method"] = init_method
         for option in ("join", "daemon"):  # torch.multiprocessing.spawn's, which ignite passes on: the agent always
             kwargs.pop(option, None)  # waits for its workers, and they are never daemons
-        return elastic.launch(backend, fn, args, dict(kwargs_dict or {}), nproc_per_node=nproc_per_node,
-                              nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                              master_port=master_port, **kwargs)
+        return elastic.launch(_NativeDistModel, backend, fn, args, dict(kwargs_dict or {}),
+                              nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                              master_addr=master_addr, master_port=master_port, **kwargs)
 
     def get_rank(self) -> int:
         return dist.get_rank()
