@@ -10,9 +10,10 @@ from omegaconf import DictConfig
 from torch import nn
 
 import hydraddp.distributed as idist
-from hydraddp.distributed import meta_init, simulated
-from hydraddp.distributed.mesh import MeshShape
-from hydraddp.distributed.policies import declared_blocks
+from hydraddp.distributed import simulated
+from hydraddp.parallel import meta_init
+from hydraddp.parallel.mesh import MeshShape
+from hydraddp.parallel.policies import declared_blocks
 from hydraddp.distributed.report import WrapReport
 from hydraddp.models.of_config import model_factory
 

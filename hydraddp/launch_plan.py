@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydraddp.distributed.combinations import Problem
+from hydraddp.parallel.combinations import Problem
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp import redaction
 from hydraddp.tracking import names
@@ -119,7 +119,7 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     tp = cfg.mesh.tp if cfg.wrap.name == "fsdp2" and cfg.mesh.tp > 1 else 1
     if found or (not pretrained and not meta and tp == 1):
         return found  # the usual case: no torch import before the tracker starts
-    from hydraddp.distributed import meta_init
+    from hydraddp.parallel import meta_init
     from hydraddp.models.of_config import model_factory, model_of
     from hydraddp.train import pretrained as weights
 
@@ -134,7 +134,7 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
                         "Start from weights of the same architecture and sizes.", "")]
     if tp > 1:  # the model's plan, and every size it splits, against mesh.tp
         from hydraddp.build import tp_kwargs
-        from hydraddp.distributed.tp import tp_problems
+        from hydraddp.parallel.tp import tp_problems
 
         return tp_problems(model, tp, tp_kwargs(cfg).get("tp_plan"))
     return []
@@ -239,10 +239,10 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     the MLflow run it continues.
     """
     from hydraddp.config.validate import combination_of, problems, resolve_backend
-    from hydraddp.distributed import machine
-    from hydraddp.distributed.combinations import resolve_wrap
-    from hydraddp.distributed.mesh import MeshShape
-    from hydraddp.distributed.mesh import realized as realized_mesh
+    from hydraddp.parallel import machine
+    from hydraddp.parallel.combinations import resolve_wrap
+    from hydraddp.parallel.mesh import MeshShape
+    from hydraddp.parallel.mesh import realized as realized_mesh
 
     cfg.backend.name = resolve_backend(cfg.backend.name)
     combo = combination_of(cfg)

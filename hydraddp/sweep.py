@@ -42,7 +42,7 @@ def _before_submission_problems(config: DictConfig) -> list:
     """What must be refused before any job is submitted: a tracking file that jobs on other machines cannot write,
     and, for one launch through submitit, everything a local launch would refuse."""
     from hydraddp.clusters.submitit import REMOTE_LAUNCHERS
-    from hydraddp.distributed.combinations import Problem
+    from hydraddp.parallel.combinations import Problem
 
     found = []
     uri = str(config.tracking.uri or "")

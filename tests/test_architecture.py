@@ -140,7 +140,7 @@ def test_the_import_graph_sees_module_level_function_level_and_relative_imports(
     deps = import_graph()
     assert "hydraddp.distributed.comp_models.base" in deps["hydraddp.distributed.utils"]  # module level
     assert "hydraddp.distributed.elastic" in deps["hydraddp.distributed.comp_models.native"]  # in a function
-    assert "hydraddp.distributed.machine" in deps["hydraddp.distributed.launcher"]  # from package import module
+    assert "hydraddp.parallel.machine" in deps["hydraddp.distributed.launcher"]  # from package import module
     assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _one_cycle({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}}, ["a", "b", "c"]) == ["a", "b", "a"]
 
@@ -196,3 +196,30 @@ def test_the_core_imports_nothing_of_hydra_omegaconf_or_mlflow():
             offenders += [f"{module}:{node.lineno} imports {name}" for name in names
                           if name.split(".")[0] in FORBIDDEN_IN_CORE]
     assert not offenders, "\n".join(offenders)
+
+
+# The layers, top to bottom (DESIGN.md): a module may import its own layer and those below it, never one above.
+LAYERS = [("hydraddp.__main__", "hydraddp.cli", "hydraddp.sweep", "hydraddp.launch", "hydraddp.export",
+           "hydraddp.plan", "hydraddp.kube", "hydraddp.clusters", "hydraddp.demo", "hydraddp.compare"),
+          ("hydraddp.launch_plan", "hydraddp.preflight"),
+          ("hydraddp.build", "hydraddp.train"),
+          ("hydraddp.models",),
+          ("hydraddp.distributed",),
+          ("hydraddp.parallel",)]
+
+
+def _layer(module: str) -> int | None:
+    for depth, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return depth
+    return None
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """``parallel`` (how a model is spread) is below ``distributed`` (ignite's surface), which is below the model of a
+    config (``models``), the build and the loop, the checks before a launch, and the commands."""
+    graph = import_graph()
+    assert _layer("hydraddp.parallel.parallelize") == len(LAYERS) - 1 and _layer("hydraddp.train.loop") == 2
+    upward = sorted(f"{module} -> {dep}" for module, deps in graph.items() for dep in deps
+                    if _layer(module) is not None and _layer(dep) is not None and _layer(dep) < _layer(module))
+    assert not upward, "\n".join(upward)

@@ -128,7 +128,7 @@ class CheckpointConfig:
 
 @dataclass
 class MeshConfig:
-    """The device mesh (hydraddp/distributed/mesh.py): the product of the degrees is the world size."""
+    """The device mesh (hydraddp/parallel/mesh.py): the product of the degrees is the world size."""
 
     dp_replicate: int = 1  # data-parallel replicas (HSDP across nodes: each holds the model sharded dp_shard ways)
     dp_shard: int = -1  # data-parallel shards; -1: the ranks left

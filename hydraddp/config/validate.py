@@ -1,6 +1,6 @@
 """Whole-combination validation of a composed config, in the main process, before any worker starts.
 
-The rules are the core's (``hydraddp.distributed.combinations``); this module maps config keys onto them and
+The rules are the core's (``hydraddp.parallel.combinations``); this module maps config keys onto them and
 adds the few that only exist in config (scaler settings, multi-node rendezvous).
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydraddp.distributed.combinations import Combination, Problem, check_compatibility
+from hydraddp.parallel.combinations import Combination, Problem, check_compatibility
 from hydraddp.distributed.env import detect_launch_env
-from hydraddp.distributed.machine import combination, cuda_device_count
+from hydraddp.parallel.machine import combination, cuda_device_count
 from hydraddp.tracking import names
 
 INIT_DEVICES = ("auto", "meta", "cpu")  # model.init_device (hydraddp.build.instantiate_model)
@@ -194,8 +194,8 @@ MESH_KEYS = ("mesh.dp_replicate", "mesh.dp_shard", "mesh.tp")
 
 def mesh_problems(cfg: DictConfig, combo: Combination) -> list[Problem]:
     """The mesh's degrees against the world, the wrap, the node and the batch."""
-    from hydraddp.distributed.combinations import resolve_wrap
-    from hydraddp.distributed.mesh import MeshShape
+    from hydraddp.parallel.combinations import resolve_wrap
+    from hydraddp.parallel.mesh import MeshShape
 
     world = combo.world_size
     try:

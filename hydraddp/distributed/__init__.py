@@ -22,7 +22,7 @@ _EXPORTS = {
     "auto": ("DistributedProxySampler", "auto_dataloader", "auto_model", "auto_optim", "grad_scaler"),
     "launcher": ("Parallel",),
     # hydraddp's own.
-    "combinations": ("BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "Problem",
+    "hydraddp.parallel.combinations": ("BACKENDS", "OFFLOADS", "PRECISIONS", "WRAPS", "Combination", "ConfigurationError", "Problem",
                "check_compatibility", "resolve_wrap"),
     "elastic": ("WorkerFailedError", "worker_start_method"),
     "env": ("LaunchEnv", "detect_launch_env", "free_port"),
@@ -39,7 +39,8 @@ def __getattr__(name: str):
     elif name in _SUBMODULES:
         value = importlib.import_module(f"hydraddp.distributed.{name}")
     elif name in _MODULE_OF:
-        value = getattr(importlib.import_module(f"hydraddp.distributed.{_MODULE_OF[name]}"), name)
+        module = _MODULE_OF[name]
+        value = getattr(importlib.import_module(module if "." in module else f"hydraddp.distributed.{module}"), name)
     else:
         raise AttributeError(f"module 'hydraddp.distributed' has no attribute {name!r}")
     globals()[name] = value

@@ -12,13 +12,15 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
-from hydraddp.distributed import machine, meta_init, utils, wrappers
-from hydraddp.distributed.combinations import Combination, ConfigurationError, Problem, resolve_wrap
+from hydraddp.distributed import utils
+
+from hydraddp.parallel import machine, meta_init, wrappers
+from hydraddp.parallel.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD
-from hydraddp.distributed.mesh import MeshShape
-from hydraddp.distributed.parallel_plan import ParallelPlan
-from hydraddp.distributed.parallelize import parallelize
-from hydraddp.distributed.precision import make_grad_scaler, precision_spec
+from hydraddp.parallel.mesh import MeshShape
+from hydraddp.parallel.plan import ParallelPlan
+from hydraddp.parallel.parallelize import parallelize
+from hydraddp.parallel.precision import make_grad_scaler, precision_spec
 from hydraddp.distributed.report import WrapRecord
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hydraddp.distributed import machine
+from hydraddp.parallel import machine
 from hydraddp.distributed.comp_models.base import ComputationModel, _SerialModel
 
 _context: ComputationModel = _SerialModel()

@@ -22,7 +22,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from hydraddp.distributed import context, machine
+from hydraddp.distributed import context
+
+from hydraddp.parallel import machine
 from hydraddp.distributed.comp_models.base import ComputationModel
 from hydraddp.distributed.env import free_port
 

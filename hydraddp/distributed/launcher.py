@@ -7,7 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hydraddp.distributed import machine, utils
+from hydraddp.distributed import utils
+
+from hydraddp.parallel import machine
 from hydraddp.distributed.comp_models.horovod import HOROVOD
 from hydraddp.distributed.comp_models.native import NATIVE_BACKENDS, refuse_tcp_init_method
 from hydraddp.distributed.comp_models.xla import NOT_SUPPORTED as XLA_NOT_SUPPORTED

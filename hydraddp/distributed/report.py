@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from hydraddp.distributed import utils
-from hydraddp.distributed.precision import PrecisionSpec, precision_spec
+from hydraddp.parallel.policies import ROOT
+from hydraddp.parallel.precision import PrecisionSpec, precision_spec
 
-ROOT = "<root>"
 _WRAPPER_LEVELS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # FSDP1, activation checkpointing
 
 
@@ -163,7 +163,7 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 def _coordinate(model: nn.Module, record: WrapRecord | None) -> list[int] | None:
     if record is not None and record.mesh is not None:
-        from hydraddp.distributed.mesh import MeshShape
+        from hydraddp.parallel.mesh import MeshShape
 
         return list(MeshShape.parse(record.mesh).coordinate(utils.get_rank()))
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from hydraddp.distributed.meta_init import shared_tensors
+from hydraddp.parallel.meta_init import shared_tensors
 
 Shapes = Mapping[str, Sequence[int]]
 

@@ -42,7 +42,7 @@ def plan_overrides(overrides: list[str]) -> Estimate:
 def _planned(overrides: tuple[str, ...]) -> Estimate:
     from hydraddp.config.compose import compose
     from hydraddp.config.validate import combination_of, problems, resolve_backend, world_size
-    from hydraddp.distributed.combinations import ConfigurationError
+    from hydraddp.parallel.combinations import ConfigurationError
 
     cfg = compose(list(overrides))
     cfg.backend.name = resolve_backend(cfg.backend.name)
@@ -72,7 +72,7 @@ def _estimate(cfg, world: int) -> Estimate:
 
     from omegaconf import OmegaConf
 
-    from hydraddp.distributed.mesh import MeshShape
+    from hydraddp.parallel.mesh import MeshShape
     from hydraddp.plan.estimate import estimate
 
     multi = cfg.wrap.name == "fsdp2" and MeshShape.of(cfg.mesh).resolved(world).multi_dimensional
@@ -133,7 +133,7 @@ def render_table(rows: list[Row], current: str, heading: str = "every wrap, at t
 
 
 def _row(label: str, overrides: list[str]) -> Row:
-    from hydraddp.distributed.combinations import ConfigurationError
+    from hydraddp.parallel.combinations import ConfigurationError
 
     try:
         return label, plan_overrides(overrides), None
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from hydraddp.config.compose import compose
-    from hydraddp.distributed.combinations import ConfigurationError
-    from hydraddp.distributed.machine import cpu_has_fast_bf16, precision_warnings
-    from hydraddp.distributed.mesh import MeshShape
+    from hydraddp.parallel.combinations import ConfigurationError
+    from hydraddp.parallel.machine import cpu_has_fast_bf16, precision_warnings
+    from hydraddp.parallel.mesh import MeshShape
 
     try:
         cfg = compose(args.overrides)

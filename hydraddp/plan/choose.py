@@ -63,7 +63,7 @@ class Choice:
 def within_budget(overrides: list[str], budget_bytes: float,
                   plan: Callable[[list[str]], Estimate]) -> tuple[list[Choice], Choice | None]:
     """Every candidate planned, and the first (fastest) that fits, or None."""
-    from hydraddp.distributed.combinations import ConfigurationError
+    from hydraddp.parallel.combinations import ConfigurationError
 
     choices = []
     for candidate in CANDIDATES:

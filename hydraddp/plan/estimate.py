@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from hydraddp.distributed.mesh import MeshShape
+from hydraddp.parallel.mesh import MeshShape
 from hydraddp.distributed.report import ROOT
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel's defaults): the first bucket is small so the
@@ -129,7 +129,7 @@ def _first_batch(cfg: DictConfig) -> Any:
 
 def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     """Plan ``cfg`` (composed and validated, ``backend=auto`` decided) as ``rank`` of ``world_size``."""
-    from hydraddp.distributed.precision import precision_spec
+    from hydraddp.parallel.precision import precision_spec
 
     started = time.perf_counter()
     compiled = bool(cfg.trainer.compile)

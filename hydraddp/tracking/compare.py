@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hydraddp.distributed.mesh import MeshShape
+from hydraddp.parallel.mesh import MeshShape
 from hydraddp.tracking import names
 from hydraddp.tracking.client import default_uri, mlflow_client
 from hydraddp.tracking.per_rank import PER_RANK_KEY, STEP_SUFFIX, TABLE_FILE

@@ -136,7 +136,7 @@ def check_shared(root: Path) -> None:
     """Refuse a checkpoint root that not every rank sees: each rank writes a marker under ``root``, then looks
     for everyone's. On several nodes a node-local path would leave each node's shards where the others (and
     a resume) never find them. A collective."""
-    from hydraddp.distributed.combinations import ConfigurationError, Problem
+    from hydraddp.parallel.combinations import ConfigurationError, Problem
 
     rank, world = idist.get_rank(), idist.get_world_size()
     folder = Path(root) / f".hydraddp-shared-{idist.broadcast(uuid.uuid4().hex if rank == 0 else '', src=0)}"

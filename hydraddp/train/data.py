@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import hydraddp.distributed as idist
-from hydraddp.distributed.mesh import MeshShape
+from hydraddp.parallel.mesh import MeshShape
 from hydraddp.train import rng
 
 log = logging.getLogger("hydraddp.train.loop")

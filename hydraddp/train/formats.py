@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hydraddp.distributed.wrappers import size_buckets
+from hydraddp.parallel.wrappers import size_buckets
 from hydraddp.models import fit
 from hydraddp.models.hf import HF_TARGET, config_from_dict
 from hydraddp.models.of_config import recorded_model

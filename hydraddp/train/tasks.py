@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hydraddp.distributed.trees import map_tensors, tensors
+from hydraddp.parallel.trees import map_tensors, tensors
 
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding, prompt tokens)
 

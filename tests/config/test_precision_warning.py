@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hydraddp.config.compose import compose
-from hydraddp.distributed import machine
+from hydraddp.parallel import machine
 from hydraddp.launch_plan import LaunchPlan, prepare
 
 EMULATED = "flags\t\t: fpu vme sse sse2 avx avx2 avx512f avx512bw\n"

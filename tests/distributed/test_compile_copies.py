@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from hydraddp.distributed.policies import compile_blocks, compile_module
+from hydraddp.parallel.policies import compile_blocks, compile_module
 from hydraddp.models.gpt import GPT
 
 pytestmark = pytest.mark.slow  # Inductor compiles C++ for each copy: about 10 s each here

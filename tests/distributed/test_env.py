@@ -50,7 +50,7 @@ def test_cuda_device_count_reads_the_driver_list_and_never_touches_cuda(tmp_path
 
     import torch
 
-    from hydraddp.distributed import machine
+    from hydraddp.parallel import machine
 
     gpus = tmp_path / "gpus"
     for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
@@ -70,7 +70,7 @@ def test_gpus_under_rocm_are_counted_from_the_amd_drivers_topology(tmp_path, mon
 
     import torch
 
-    from hydraddp.distributed import machine
+    from hydraddp.parallel import machine
 
     nodes = tmp_path / "nodes"
     for node, simds in enumerate([0, 304, 304, 0, 304]):  # two CPU nodes, three MI300-like GPUs
@@ -87,7 +87,8 @@ def test_gpus_under_rocm_are_counted_from_the_amd_drivers_topology(tmp_path, mon
 
 
 def test_a_visible_gpu_means_workers_are_spawned_not_forked(monkeypatch):
-    from hydraddp.distributed import launcher, machine
+    from hydraddp.distributed import launcher
+    from hydraddp.parallel import machine
 
     assert launcher.worker_start_method("gloo") == "fork"  # this CPU machine
     monkeypatch.setattr(machine, "cuda_device_count", lambda *a: 1)
@@ -128,7 +129,7 @@ def test_free_port_is_bindable():
 
 
 def test_a_rank_uses_its_local_rank_or_the_one_gpu_its_task_sees():
-    from hydraddp.distributed.machine import rank_device_index
+    from hydraddp.parallel.machine import rank_device_index
 
     assert [rank_device_index(r, 4) for r in range(4)] == [0, 1, 2, 3]
     assert [rank_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1: each sees its own

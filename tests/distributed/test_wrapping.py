@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.distributed.test_policies import seed_style_policy
+from tests.parallel.test_policies import seed_style_policy
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 

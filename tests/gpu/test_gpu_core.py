@@ -197,7 +197,7 @@ def test_sync_bn_under_fsdp2_bf16_is_its_own_unit_and_trains(tmp_path):
 def test_built_on_meta_and_sharded_on_gpus_the_full_parameters_are_the_cpu_whole_builds(nproc, tmp_path):
     """model.init_device=meta under nccl: the replay draws on the CPU (the generator the whole build drew from) and
     each GPU keeps its slice."""
-    out = run_parallel("tests.distributed.test_meta_init:sharded_from_meta", "gpt", ["fsdp2", "fsdp"], backend="nccl",
+    out = run_parallel("tests.parallel.test_meta_init:sharded_from_meta", "gpt", ["fsdp2", "fsdp"], backend="nccl",
                        nproc=nproc, tmp_path=tmp_path, timeout=240)
     for rank in range(nproc):
         for wrap, seen in out[rank].items():

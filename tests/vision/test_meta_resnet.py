@@ -1,7 +1,7 @@
 """torchvision's ResNet-18 built on the meta device holds its whole build's values to the bit (parameters and
 BatchNorm statistics): torchvision re-initializes every convolution and norm after construction (``kaiming_normal_``,
 ``constant_``, and with ``zero_init_residual`` each block's last BatchNorm), which the meta build replays operation by
-operation (``hydraddp.distributed.meta_init``). One process, no launch.
+operation (``hydraddp.parallel.meta_init``). One process, no launch.
 
 Runs in the vision venv (see test_resnet.py); in the main venv it is skipped, saying so.
 """
@@ -22,7 +22,7 @@ except ImportError as exc:
 
 @pytest.mark.parametrize("zero_init_residual", [False, True])
 def test_resnet18_built_on_meta_is_its_whole_build_to_the_bit(zero_init_residual):
-    from hydraddp.distributed.meta_init import build_on_meta
+    from hydraddp.parallel.meta_init import build_on_meta
     from hydraddp.models.vision import torchvision_model
 
     def factory() -> torch.nn.Module:

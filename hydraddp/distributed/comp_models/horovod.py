@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
-from hydraddp.distributed.machine import rank_device_index
+from hydraddp.parallel.machine import rank_device_index
 
 HOROVOD = "horovod"
 INSTALL_HINT = "install it with `bash scripts/install_horovod.sh` (builds Horovod 0.28.1 with PyTorch and gloo)"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
 from hydraddp.distributed.env import LaunchEnv, detect_launch_env, free_port
-from hydraddp.distributed.machine import rank_device_index
+from hydraddp.parallel.machine import rank_device_index
 
 NCCL, GLOO, MPI = "nccl", "gloo", "mpi"
 NATIVE_BACKENDS = (NCCL, GLOO, MPI)

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-from hydraddp.distributed.policies import DEFAULT_MIN_NUM_PARAMS, bridge_policy, plan_units, resolve_policy
+from hydraddp.parallel.policies import DEFAULT_MIN_NUM_PARAMS, bridge_policy, plan_units, resolve_policy
 from tests.distributed.models import tiny_transformer
 
 

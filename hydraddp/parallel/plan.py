@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydraddp.distributed.mesh import MeshShape
-from hydraddp.distributed.mesh import realized as realized_mesh
-from hydraddp.distributed.policies import declared_blocks, resolve_policy
-from hydraddp.distributed.precision import PrecisionSpec
+from hydraddp.parallel.mesh import MeshShape
+from hydraddp.parallel.mesh import realized as realized_mesh
+from hydraddp.parallel.policies import declared_blocks, resolve_policy
+from hydraddp.parallel.precision import PrecisionSpec
 
 SHARDING_WRAPS = ("fsdp", "fsdp2")
 AUTOCAST_WRAPS = ("none", "dp", "ddp", "horovod")  # the FSDPs cast for themselves

@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hydraddp.distributed import meta_init
-from hydraddp.distributed.parallel_plan import ParallelPlan
-from hydraddp.distributed.precision import fsdp1_mixed_precision
+from hydraddp.parallel import meta_init, planning
+from hydraddp.parallel.plan import ParallelPlan
+from hydraddp.parallel.precision import fsdp1_mixed_precision
 
 T = TypeVar("T")
 
@@ -67,10 +67,8 @@ def apply_ddp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
             raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{plan.device.index}]); drop "
                              f"device_ids={kwargs['device_ids']}")
         kwargs["device_ids"] = [plan.device.index]
-    from hydraddp.distributed import simulated
-
-    if simulated.active():  # a plan: DDP's reducer needs real storage, its stand-in holds the same bytes
-        return simulated.BucketedGradients(model, **kwargs)
+    if planning.active():  # a plan: DDP's reducer needs real storage, its stand-in holds the same bytes
+        return planning.BucketedGradients(model, **kwargs)
     return nn.parallel.DistributedDataParallel(model, **kwargs)
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydraddp.distributed.combinations import PRECISIONS
-from hydraddp.distributed.trees import cast_floats
+from hydraddp.parallel.combinations import PRECISIONS
+from hydraddp.parallel.trees import cast_floats
 
 
 @dataclass(frozen=True)

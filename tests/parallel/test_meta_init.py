@@ -1,4 +1,4 @@
-"""Models built on the meta device and initialized module by module (hydraddp.distributed.meta_init) hold, to the
+"""Models built on the meta device and initialized module by module (hydraddp.parallel.meta_init) hold, to the
 bit, what the model built whole under the same seed holds: in one process, and sharded on 2 ranks under fsdp and fsdp2
 (and whole under ddp), whatever order the modules are materialized in. What cannot be replayed says why."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import hydraddp.distributed as idist
-from hydraddp.distributed.meta_init import NotReplayable, build_on_meta
+from hydraddp.parallel.meta_init import NotReplayable, build_on_meta
 from hydraddp.models.gpt import GPT
 from hydraddp.models.mlp import MLP
 
@@ -285,7 +285,7 @@ def sharded_from_meta(local_rank: int, name: str, wraps: list[str]) -> dict:
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_built_on_meta_and_sharded_on_two_ranks_the_full_parameters_are_the_whole_builds(pools, name):
-    out = pools.run("tests.distributed.test_meta_init:sharded_from_meta", name, ["fsdp2", "fsdp", "ddp"])
+    out = pools.run("tests.parallel.test_meta_init:sharded_from_meta", name, ["fsdp2", "fsdp", "ddp"])
     for rank in (0, 1):
         for wrap, seen in out[rank].items():
             assert seen == {"wrapper": wrap, "init_device": "meta", "keys_match": True, "differ": []}, (rank, wrap)
@@ -359,7 +359,7 @@ def test_built_on_meta_and_trained_on_two_ranks_as_one_process_built_whole(pools
     torch.manual_seed(SEED)
     expected_losses, whole = trained(name, FACTORIES[name]())
     expected = whole.state_dict()
-    out = pools.run("tests.distributed.test_meta_init:trained_from_meta", name, ["ddp", "fsdp", "fsdp2"])
+    out = pools.run("tests.parallel.test_meta_init:trained_from_meta", name, ["ddp", "fsdp", "fsdp2"])
     for wrap, seen in out[0].items():
         assert seen["losses"] == pytest.approx(expected_losses, abs=1e-5), wrap
         worst = max((seen["params"][k] - expected[k].float()).abs().max().item() for k in expected)

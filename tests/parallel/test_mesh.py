@@ -13,8 +13,8 @@ import hydraddp.distributed as idist
 from hydraddp.config.compose import compose
 from hydraddp.config.validate import problems
 from hydraddp.launch_plan import model_problems
-from hydraddp.distributed.mesh import MeshShape
-from tests.distributed.test_meta_init import FACTORIES, SEED, trained
+from hydraddp.parallel.mesh import MeshShape
+from tests.parallel.test_meta_init import FACTORIES, SEED, trained
 
 
 def test_the_ranks_left_fill_dp_shard_and_a_product_off_the_world_is_an_error():
@@ -88,7 +88,7 @@ def hsdp_trained(local_rank: int, name: str) -> dict:
     """HSDP 2 x 2: the global losses of 10 steps, the full parameters after them, and the report."""
     from tests.distributed.workers import full_params
 
-    from hydraddp.distributed.meta_init import build_on_meta
+    from hydraddp.parallel.meta_init import build_on_meta
 
     torch.manual_seed(SEED)
     model, _ = build_on_meta(FACTORIES[name])
@@ -105,7 +105,7 @@ def test_hsdp_on_four_ranks_trains_as_one_process_and_says_its_mesh(pools, name)
     torch.manual_seed(SEED)
     expected_losses, whole = trained(name, FACTORIES[name]())
     expected = whole.state_dict()
-    out = pools.run("tests.distributed.test_mesh:hsdp_trained", name, nproc=4)
+    out = pools.run("tests.parallel.test_mesh:hsdp_trained", name, nproc=4)
     for rank in range(4):
         seen = out[rank]
         assert seen["losses"] == pytest.approx(expected_losses, abs=1e-5), rank
@@ -142,13 +142,13 @@ def loaded_under(local_rank: int, path: str, mesh_shape: tuple) -> dict:
 
 
 def test_a_checkpoint_reshards_between_hsdp_and_one_dimensional_fsdp2_and_into_tp(pools, tmp_path):
-    hsdp = pools.run("tests.distributed.test_mesh:saved_under", str(tmp_path / "hsdp"), (2, 2, 1), 1, nproc=4)[0]
-    flat = pools.run("tests.distributed.test_mesh:saved_under", str(tmp_path / "flat"), (1, 2, 1), 2)[0]
-    reference = {source: pools.run("tests.distributed.test_mesh:loaded_under", path, shape, nproc=n)[0]
+    hsdp = pools.run("tests.parallel.test_mesh:saved_under", str(tmp_path / "hsdp"), (2, 2, 1), 1, nproc=4)[0]
+    flat = pools.run("tests.parallel.test_mesh:saved_under", str(tmp_path / "flat"), (1, 2, 1), 2)[0]
+    reference = {source: pools.run("tests.parallel.test_mesh:loaded_under", path, shape, nproc=n)[0]
                  for source, path, shape, n in (("hsdp", hsdp, (2, 2, 1), 4), ("flat", flat, (1, 2, 1), 2))}
-    into_flat = pools.run("tests.distributed.test_mesh:loaded_under", hsdp, (1, 2, 1))[0]
-    into_hsdp = pools.run("tests.distributed.test_mesh:loaded_under", flat, (2, 2, 1), nproc=4)[0]
-    into_tp = pools.run("tests.distributed.test_mesh:loaded_under", hsdp, (1, 1, 2))[0]  # and into tensor parallel
+    into_flat = pools.run("tests.parallel.test_mesh:loaded_under", hsdp, (1, 2, 1))[0]
+    into_hsdp = pools.run("tests.parallel.test_mesh:loaded_under", flat, (2, 2, 1), nproc=4)[0]
+    into_tp = pools.run("tests.parallel.test_mesh:loaded_under", hsdp, (1, 1, 2))[0]  # and into tensor parallel
     assert [k for k in into_flat if not torch.equal(into_flat[k], reference["hsdp"][k])] == []
     assert [k for k in into_hsdp if not torch.equal(into_hsdp[k], reference["flat"][k])] == []
     assert [k for k in into_tp if not torch.equal(into_tp[k], reference["hsdp"][k])] == []
@@ -198,7 +198,7 @@ def tp_trained(local_rank: int, name: str, mesh_shape: tuple, on_meta: bool) -> 
     """FSDP2 + TP on ``mesh_shape``: the global losses of 10 steps, the full parameters after them, and the report."""
     from tests.distributed.workers import full_params
 
-    from hydraddp.distributed.meta_init import build_on_meta
+    from hydraddp.parallel.meta_init import build_on_meta
 
     torch.manual_seed(SEED)
     model = build_on_meta(FACTORIES[name])[0] if on_meta else FACTORIES[name]()
@@ -220,7 +220,7 @@ def test_tensor_parallel_trains_as_one_process_and_says_its_mesh(pools, name, me
     expected_losses, whole = trained(name, FACTORIES[name]())
     expected = whole.state_dict()
     world = MeshShape.of(mesh_shape).size
-    out = pools.run("tests.distributed.test_mesh:tp_trained", name, mesh_shape, on_meta, nproc=world)
+    out = pools.run("tests.parallel.test_mesh:tp_trained", name, mesh_shape, on_meta, nproc=world)
     for rank in range(world):
         seen = out[rank]
         assert seen["losses"] == pytest.approx(expected_losses, abs=1e-5), rank

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from hydraddp.distributed.precision import add_precision_hooks, precision_spec
-from hydraddp.distributed.trees import cast_floats, map_tensors, tensors
+from hydraddp.parallel.precision import add_precision_hooks, precision_spec
+from hydraddp.parallel.trees import cast_floats, map_tensors, tensors
 from hydraddp.train.tasks import to_device
 
 Pair = collections.namedtuple("Pair", "logits aux")

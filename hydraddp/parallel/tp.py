@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from hydraddp.distributed.combinations import ConfigurationError, Problem
+from hydraddp.parallel.combinations import ConfigurationError, Problem
 
 def _styles() -> dict[str, Callable[[], Any]]:
     """The plan's style names, as transformers' ``base_model_tp_plan`` writes them, as torch's ``ParallelStyle``s.

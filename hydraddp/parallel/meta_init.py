@@ -33,8 +33,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hydraddp.distributed.meta_record import NotReplayable, View, record
-from hydraddp.distributed.meta_steps import HFStep, ModuleRecord, Plan, describe, own_tensors, resolve
+from hydraddp.parallel.meta_record import NotReplayable, View, record
+from hydraddp.parallel.meta_steps import HFStep, ModuleRecord, Plan, describe, own_tensors, resolve
 
 __all__ = ["InitReplay", "NotReplayable", "build_on_meta", "replay_of", "shared_tensors"]
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hydraddp.distributed.combinations import Combination, ConfigurationError, check_compatibility
+from hydraddp.parallel.combinations import Combination, ConfigurationError, check_compatibility
 
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU, listed by the driver itself

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hydraddp.distributed.meta_record import Call, Log, NotReplayable, Op, Operand, Site, View, storage_key
+from hydraddp.parallel.meta_record import Call, Log, NotReplayable, Op, Operand, Site, View, storage_key
 
 
 @dataclass(frozen=True)

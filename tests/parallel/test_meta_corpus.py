@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hydraddp.distributed as idist
-from hydraddp.distributed.meta_init import NotReplayable, build_on_meta
+from hydraddp.parallel.meta_init import NotReplayable, build_on_meta
 
 SEED = 11
 
@@ -249,7 +249,7 @@ def corpus_under(local_rank: int, wraps: list[str]) -> dict[str, dict[str, str]]
 
 def test_the_corpus_built_on_meta_and_sharded_on_two_ranks_is_exact_or_refused(pools):
     """fsdp2 fills each module after sharding; fsdp (FSDP1) asks for each module's values as it wraps its unit."""
-    out = pools.run("tests.distributed.test_meta_corpus:corpus_under", ["fsdp2", "fsdp"], timeout=600)
+    out = pools.run("tests.parallel.test_meta_corpus:corpus_under", ["fsdp2", "fsdp"], timeout=600)
     assert out[0] == out[1]
     expected = {**EXPECTED, "resnet_like_syncbn_after_build": EXACT}
     for wrap, seen in out[0].items():
@@ -284,5 +284,5 @@ def sync_bn_outcomes(local_rank: int) -> dict[str, str]:
 
 
 def test_sync_bn_after_a_meta_build_materializes_to_the_whole_builds_values(pools):
-    out = pools.run("tests.distributed.test_meta_corpus:sync_bn_outcomes", nproc=1, timeout=300)
+    out = pools.run("tests.parallel.test_meta_corpus:sync_bn_outcomes", nproc=1, timeout=300)
     assert out[0] == {"fsdp2": EXACT, "ddp": EXACT}

@@ -27,17 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydraddp.distributed import meta_init, policies, simulated, wrappers
-from hydraddp.distributed.combinations import ConfigurationError, Problem
-from hydraddp.distributed.mesh import data_parallel
-from hydraddp.distributed.mesh import build as build_mesh
-from hydraddp.distributed.parallel_plan import AUTOCAST_WRAPS, SYNC_BN_WRAPS, ParallelPlan
-from hydraddp.distributed.precision import add_precision_hooks, fsdp2_mp_policy
-from hydraddp.distributed.report import ROOT
-from hydraddp.distributed.tp import apply_tp, resolve_tp_plan
-from hydraddp.distributed.wrappers import BATCHNORM_TYPES, broadcast_module_states, remember_replaced
+from hydraddp.parallel import meta_init, planning, policies, wrappers
+from hydraddp.parallel.combinations import ConfigurationError, Problem
+from hydraddp.parallel.mesh import data_parallel
+from hydraddp.parallel.mesh import build as build_mesh
+from hydraddp.parallel.plan import AUTOCAST_WRAPS, SYNC_BN_WRAPS, ParallelPlan
+from hydraddp.parallel.precision import add_precision_hooks, fsdp2_mp_policy
+from hydraddp.parallel.tp import apply_tp, resolve_tp_plan
+from hydraddp.parallel.wrappers import BATCHNORM_TYPES, broadcast_module_states, remember_replaced
 
-log = logging.getLogger("hydraddp.distributed.auto")
+log = logging.getLogger(__name__)
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[str], list[str]]:
@@ -98,12 +97,12 @@ def _meshes(plan: ParallelPlan) -> tuple[Any, Any]:
             raise ValueError(f"mesh= (your own DeviceMesh) and mesh_shape={shape.describe()} both say what to shard "
                              "over; pass one of them.")
         return plan.user_mesh, None
-    planning = simulated.active()  # a plan's mesh was made before its fake tensors, which cannot make one
+    planned = planning.active()  # a plan's mesh was made before its fake tensors, which cannot make one
     if not shape.multi_dimensional:
         from torch.distributed.device_mesh import init_device_mesh
 
-        return (planning.mesh if planning else init_device_mesh(plan.device.type, (plan.world_size,))), None
-    mesh = planning.mesh if planning else build_mesh(shape, plan.device.type)
+        return (planned.mesh if planned else init_device_mesh(plan.device.type, (plan.world_size,))), None
+    mesh = planned.mesh if planned else build_mesh(shape, plan.device.type)
     return data_parallel(mesh), (mesh["tp"] if shape.tp > 1 else None)
 
 
@@ -139,7 +138,7 @@ def apply_compile(model: nn.Module, blocks: Iterable[type | str]) -> list[str]:
     names = policies.compile_blocks(model, blocks) if blocks else []
     if not names:
         policies.compile_module(model)
-        return [ROOT]
+        return [policies.ROOT]
     return [name.replace("._checkpoint_wrapped_module", "") for name in names]
 
 

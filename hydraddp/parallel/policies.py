@@ -20,6 +20,7 @@ from torch import nn
 # DDP's; one unit would be 1.3x faster there but peak at 0.84 (benchmarks/RESULTS.md).
 DEFAULT_MIN_NUM_PARAMS = 10_000_000
 POLICY_NAMES = ("size", "transformer", "root")
+ROOT = "<root>"  # the whole model, where a name is asked for (compiled, checkpointed, a unit)
 
 Policy = Callable[..., bool]
 
