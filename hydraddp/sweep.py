@@ -53,7 +53,7 @@ def _before_submission_problems(config: DictConfig) -> list:
                              "Point every job at one MLflow server: tracking.uri=http://HOST:PORT, or set "
                              "tracking.enabled=false."))
     if _single_job():
-        from hydraddp.config.validate import problems
+        from hydraddp.preflight.config import problems
 
         found += problems(config)
     return found

@@ -98,7 +98,7 @@ def hydraddp_overrides(command: str) -> list[list[str]] | None:
 
 def test_every_hydraddp_command_composes_and_validates():
     from hydraddp.config.compose import compose
-    from hydraddp.config.validate import problems
+    from hydraddp.preflight.config import problems
 
     checked = 0
     for command in commands():

@@ -41,16 +41,12 @@ def plan_overrides(overrides: list[str]) -> Estimate:
 @functools.lru_cache(maxsize=None)
 def _planned(overrides: tuple[str, ...]) -> Estimate:
     from hydraddp.config.compose import compose
-    from hydraddp.config.validate import combination_of, problems, resolve_backend, world_size
     from hydraddp.parallel.combinations import ConfigurationError
+    from hydraddp.preflight import config_problems
+    from hydraddp.preflight.config import world_size
 
     cfg = compose(list(overrides))
-    cfg.backend.name = resolve_backend(cfg.backend.name)
-    found = problems(cfg, combination_of(cfg))
-    if not found:  # as the launch does: a pretrained directory's config.json sets the model's sizes
-        from hydraddp.launch_plan import model_problems
-
-        found = model_problems(cfg, list(overrides))
+    found = config_problems(cfg, list(overrides))  # as the launch checks it (a pretrained config.json's sizes too)
     if found:
         raise ConfigurationError(found)
     return _estimate(cfg, world_size(cfg))

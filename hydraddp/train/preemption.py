@@ -22,12 +22,26 @@ from pathlib import Path
 from typing import Any
 
 import hydraddp.distributed as idist
-from hydraddp.config.validate import signal_numbers
 
 log = logging.getLogger("hydraddp.train.loop")
 
 MARKER = "preempted.json"  # in the job directory: the latest preemption, which the next launch there resumes from
 HISTORY = "preemptions.json"  # the marker, once a launch resumed from it and finished
+
+
+
+def signal_numbers(names: list[str]) -> list[int]:
+    """``["SIGTERM", "USR2"]`` -> signal numbers; an unknown name raises ValueError naming it."""
+    import signal
+
+    numbers = []
+    for name in names:
+        full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+        number = getattr(signal, full, None)
+        if not isinstance(number, signal.Signals):
+            raise ValueError(f"{name!r} is not a signal name")
+        numbers.append(int(number))
+    return numbers
 
 
 class Preemption:

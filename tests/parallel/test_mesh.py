@@ -11,8 +11,8 @@ import torch
 
 import hydraddp.distributed as idist
 from hydraddp.config.compose import compose
-from hydraddp.config.validate import problems
-from hydraddp.launch_plan import model_problems
+from hydraddp.preflight.config import problems
+from hydraddp.preflight.model import model_problems
 from hydraddp.parallel.mesh import MeshShape
 from tests.parallel.test_meta_init import FACTORIES, SEED, trained
 

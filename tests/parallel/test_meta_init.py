@@ -296,7 +296,7 @@ def test_init_device_meta_that_cannot_be_replayed_is_refused_before_launch():
     from omegaconf import OmegaConf
 
     from hydraddp.config.compose import compose
-    from hydraddp.launch_plan import model_problems
+    from hydraddp.preflight.model import model_problems
 
     cfg = compose(["wrap=fsdp2", "model.init_device=meta"])
     assert model_problems(cfg, []) == []  # the MLP replays

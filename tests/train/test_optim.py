@@ -6,7 +6,7 @@ import pytest
 
 from hydraddp.build import wrap_kwargs
 from hydraddp.config.compose import compose
-from hydraddp.config.validate import problems
+from hydraddp.preflight.config import problems
 
 
 def test_no_decay_groups_hold_exactly_the_biases_and_norm_weights_under_every_wrap(pools):

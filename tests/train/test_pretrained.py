@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hydraddp.config.compose import compose
-from hydraddp.launch_plan import model_problems
+from hydraddp.preflight.model import model_problems
 from tests.helpers.spawn import job_dirs, run_cli, run_process
 
 # Sizes unlike hf_causal_lm.yaml's (hidden 64, 2 layers): the run must take them from config.json.

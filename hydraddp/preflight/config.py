@@ -14,6 +14,7 @@ from hydraddp.parallel.combinations import Combination, Problem, check_compatibi
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp.parallel.machine import combination, cuda_device_count
 from hydraddp.tracking import names
+from hydraddp.train.preemption import signal_numbers
 
 INIT_DEVICES = ("auto", "meta", "cpu")  # model.init_device (hydraddp.build.instantiate_model)
 
@@ -256,20 +257,6 @@ MINIMUMS = {
     "precision.growth_interval": 1, "tracking.per_rank_table_above": 1, "tracking.model.max_copy_mb": 0,
 }
 POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale", "tracking.system_metrics.interval_s")
-
-
-def signal_numbers(names: list[str]) -> list[int]:
-    """``["SIGTERM", "USR2"]`` -> signal numbers; an unknown name raises ValueError naming it."""
-    import signal
-
-    numbers = []
-    for name in names:
-        full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
-        number = getattr(signal, full, None)
-        if not isinstance(number, signal.Signals):
-            raise ValueError(f"{name!r} is not a signal name")
-        numbers.append(int(number))
-    return numbers
 
 
 def range_problems(cfg: DictConfig) -> list[Problem]:

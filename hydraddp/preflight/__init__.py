@@ -1,0 +1,71 @@
+"""The one answer to "will this config run here?", before any process starts.
+
+``check`` runs every check a launch needs, in order, and returns a ``Verdict``: the config's settings and its
+combination of backend, wrap, precision and offload against this machine (``config``, applying ``parallel``'s rules,
+which ``auto_model`` applies again in a worker); the tasks a cluster launcher started (``launch``); the checkpoint a
+resume starts from, ``model.pretrained``, the meta-device replay and the TP plan (``model``); the tracking server;
+and another launch's checkpoints in the same root. The launch plan calls it once; ``python -m hydraddp.plan`` asks
+``config_problems``, the same checks without a job directory.
+
+``cfg`` is completed in place: ``backend=auto`` decided, a pretrained directory's sizes, and the checkpoint a resume
+(or a preempted job's relaunch) starts from, with the MLflow run it continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hydraddp.parallel.combinations import Combination, Problem
+from hydraddp.preflight.config import combination_of, problems, resolve_backend
+from hydraddp.preflight.launch import attached_problems, collision_problems, tracking_problems
+from hydraddp.preflight.model import model_problems, pretrained_problems, resume_after_preemption, resume_problems
+
+
+@dataclass
+class Verdict:
+    """Every problem found (each with its keys and the fix; none: the launch may start), and what the checks
+    decided on the way."""
+
+    problems: list[Problem] = field(default_factory=list)
+    combination: Combination | None = None
+    resumed_from: dict[str, Any] | None = None  # the checkpoint and step a resume starts from
+    preemptions: int = 0  # how many preemptions the job in this directory has had
+    job_dir: Path | None = None  # where the launch goes on (``settle_job_dir``'s answer)
+    restarted: bool = False
+
+
+def check(cfg: DictConfig, job_dir: Path, overrides: list[str], *, leads: bool,
+          settle_job_dir: Callable[[Path], tuple[Path, bool]] = lambda path: (path, False)) -> Verdict:
+    """Every check of a launch from ``job_dir``. ``leads``: this process reports the launch (only it knows the agreed
+    job directory: it finds and checks the checkpoint, and its workers pass the path to every rank).
+    ``settle_job_dir``: where a config that passes goes on (after a restart, the first attempt's directory)."""
+    cfg.backend.name = resolve_backend(cfg.backend.name)
+    combo = combination_of(cfg)
+    found = problems(cfg, combo) + attached_problems(cfg, overrides)
+    preemptions = resume_after_preemption(cfg, job_dir) if not found else 0
+    if not found:  # on every process: a pretrained config sets the model's sizes, which each rank composes alone
+        found += pretrained_problems(cfg, overrides)
+    resume, resumed_from = resume_problems(cfg, job_dir) if not found and leads else ([], None)
+    found += resume
+    if not found:
+        found += model_problems(cfg, overrides)
+    if not found and cfg.tracking.enabled and leads:
+        found += tracking_problems(cfg)
+    if found:
+        return Verdict(found)
+    job_dir, restarted = settle_job_dir(job_dir)
+    if leads and not restarted:  # (a restart goes on in the first attempt's directory: its checkpoints are its own)
+        found = collision_problems(cfg, job_dir, resumed_from)
+    return Verdict(found, combo, resumed_from, preemptions, job_dir, restarted)
+
+
+def config_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+    """The checks of the config alone, as a launch makes them (no job directory, no tracking server): what
+    ``python -m hydraddp.plan`` refuses."""
+    cfg.backend.name = resolve_backend(cfg.backend.name)
+    return problems(cfg, combination_of(cfg)) or model_problems(cfg, overrides)

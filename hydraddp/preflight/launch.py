@@ -1,0 +1,57 @@
+"""What the place and the way of a launch can tell: the tasks a cluster launcher started, another launch's
+checkpoints in the same root, and the tracking server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hydraddp.distributed.env import detect_launch_env
+from hydraddp.parallel.combinations import Problem
+
+
+def collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None) -> list[Problem]:
+    """Refuse a launch that would write its checkpoints over another launch's: a new launch into a reused
+    ``checkpoint.dir``, or a resume from step 200 where another launch's step 300 exists."""
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
+    if not root.is_dir():
+        return []  # the usual case (a new job directory): no torch import before the tracker starts
+    from hydraddp.train.checkpoint import others_ahead, written_by
+
+    start = resumed_from["step"] if resumed_from else 0
+    ahead = others_ahead(root, str(job_dir), start)
+    if not ahead:
+        return []
+    return [Problem(("checkpoint.dir",),
+                    f"checkpoint.dir={root} holds {len(ahead)} checkpoint(s) past step {start} that another launch "
+                    f"wrote ({', '.join(p.name for p in ahead[:3])}, by {written_by(ahead[-1])}): this launch would "
+                    "write the same steps over them, and checkpoint.resume=latest would then mix two trainings.",
+                    "Point checkpoint.dir at a new directory (checkpoint.resume=PATH reads from anywhere), resume the "
+                    "newest with checkpoint.resume=latest, or remove those checkpoints.")]
+
+
+def attached_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+    """Started by torchrun, srun or mpirun, the launcher's tasks are the ranks: a launcher.nproc_per_node typed on the
+    command line that differs from the tasks on this node would silently run fewer (or more) processes."""
+    launch = detect_launch_env()
+    typed = [o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith("launcher.nproc_per_node=")]
+    if launch is None or not typed or int(cfg.launcher.nproc_per_node) == launch.local_world_size:
+        return []
+    return [Problem(("launcher.nproc_per_node",),
+                    f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}, but {launch.source} started "
+                    f"{launch.local_world_size} task(s) on this node, and each task is one rank.",
+                    f"Drop launcher.nproc_per_node (the {launch.source} tasks are the ranks), or start "
+                    f"{cfg.launcher.nproc_per_node} per node (srun --ntasks-per-node={cfg.launcher.nproc_per_node}, "
+                    f"torchrun --nproc_per_node={cfg.launcher.nproc_per_node}).")]
+
+
+def tracking_problems(cfg: DictConfig) -> list[Problem]:
+    from hydraddp.tracking.setup import preflight, tracking_uri
+
+    unreachable = preflight(tracking_uri(cfg))
+    if not unreachable:
+        return []
+    return [Problem(("tracking.uri",), f"tracking.uri: {unreachable}.",
+                    "Start the server, point tracking.uri at one that serves it, or set tracking.enabled=false.")]
