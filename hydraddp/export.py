@@ -2,7 +2,7 @@
 wrote it, in a format the ecosystem loads.
 
 - ``--format pt`` (the default): one plain state_dict file, which loads with ``torch.load(OUT, weights_only=True)``
-  into the unwrapped model that the checkpoint's own config builds.
+  into the unwrapped model the checkpoint was saved from (its config's sizes and the transformers config it recorded).
 - ``--format hf``: a Hugging Face model directory (``config.json``, ``generation_config.json`` and safetensors, sharded
   above ``--max-shard-mb`` with a ``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained(OUT)``
   loads; a transformers model's checkpoints only. The tensors are read from the DCP checkpoint one output file at a
