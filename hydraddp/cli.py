@@ -171,8 +171,13 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
         evaluated = ", ".join(f"eval {name} {value:.3f}" for name, value in result["eval_metrics"].items())
         print(f"hydraddp: done. {result['steps']} steps at world size {result['world_size']}: loss "
               f"{result['final_loss']:.4f}, {evaluated}, "
-              f"{result['samples_per_s']:.0f} samples/s. Job directory: {result['job_dir']}.{run}", flush=True)
+              f"{result['samples_per_s']:.0f} samples/s{_mfu(result.get('mfu'))}. Job directory: {result['job_dir']}.{run}",
+              flush=True)
     return _ended({**outcome, "status": "ok", **result}, plan.sweeping, EXIT_OK)
+
+
+def _mfu(mfu: float | None) -> str:
+    return f" at {mfu:.1%} MFU" if mfu is not None else ""
 
 
 def _preemption_since(plan: Any) -> dict[str, Any] | None:

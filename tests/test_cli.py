@@ -83,12 +83,14 @@ def test_the_same_seed_gives_the_same_training(tmp_path):
     assert losses[0] == losses[1]
 
 
-def test_gpt_experiment_shards_its_blocks(tmp_path):
+def test_gpt_experiment_shards_its_blocks_and_says_its_mfu(tmp_path):
     done = run_cli("experiment=gpt_fsdp2", "trainer.max_steps=4", "trainer.eval_every=0", "model.depth=2", NO_PLAN, UNTRACKED,
-                   cwd=tmp_path)
+                   "trainer.log_every=2", "trainer.peak_tflops=0.5", cwd=tmp_path)  # a peak given: MFU on any device
     assert done.returncode == 0, done.stderr[-4000:]
     [job] = job_dirs(tmp_path)
     assert "auto_model: wrap=fsdp2 precision=bf16" in (job / "logs" / "rank0.log").read_text()
+    mfu = re.search(r"samples/s at ([\d.]+)% MFU\. Job directory", done.stdout)
+    assert mfu and 0 < float(mfu[1]), done.stdout
 
 
 def test_under_torchrun_it_attaches_with_one_job_directory_and_every_rank_resumes_latest_there(tmp_path):

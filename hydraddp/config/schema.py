@@ -77,6 +77,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile: per block before fully_shard (fsdp2), the whole model (none, ddp)
     progress: bool = True
     stop_at_step: Optional[int] = None  # end this launch early, as a preemption would (a checkpoint is written)
+    peak_tflops: Optional[float] = None  # the device's peak in the compute dtype, for MFU (null: the known devices')
 
 
 @dataclass

@@ -256,7 +256,9 @@ MINIMUMS = {
     "checkpoint.every_n_steps": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_check_every": 1, "launcher.max_restarts": 0,
     "precision.growth_interval": 1, "tracking.per_rank_table_above": 1, "tracking.model.max_copy_mb": 0,
 }
-POSITIVE = ("trainer.grad_clip", "tracking.flush_timeout_s", "precision.init_scale", "tracking.system_metrics.interval_s")
+POSITIVE = ("trainer.grad_clip", "trainer.peak_tflops", "tracking.flush_timeout_s", "precision.init_scale",
+            "tracking.system_metrics.interval_s")
+NULLABLE = ("trainer.grad_clip", "trainer.peak_tflops")  # null: off (clipping), the table (the peak)
 
 
 def range_problems(cfg: DictConfig) -> list[Problem]:
@@ -271,5 +273,5 @@ def range_problems(cfg: DictConfig) -> list[Problem]:
         value = OmegaConf.select(cfg, key)
         if value is not None and value <= 0:
             found.append(Problem((key,), f"{key}={value} must be greater than 0.",
-                                 f"Set {key} to a positive number{' or null' if key == 'trainer.grad_clip' else ''}."))
+                                 f"Set {key} to a positive number{' or null' if key in NULLABLE else ''}."))
     return found

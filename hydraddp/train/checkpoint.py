@@ -250,12 +250,20 @@ def _has_sharded_tensor(state: dict[str, Any]) -> bool:
     return any(isinstance(value, ShardedTensor) for value in state.values())
 
 
+PINNED = "pinned.json"  # in a step directory: what outside the checkpoints refers to it (pruning keeps it)
+
+
+def pin(path: Path, by: str) -> None:
+    """Keep checkpoint ``path`` through ``keep_last``'s pruning: ``by`` (a LoggedModel, say) refers to it."""
+    (Path(path) / PINNED).write_text(json.dumps({"by": by}))
+
+
 def _complete(tmp: Path, final: Path, meta: dict[str, Any], root: Path, keep_last: int) -> None:
     """Rank 0, once every rank's files are in ``tmp``: the metadata, the rename, and the launch's old ones pruned."""
     (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
     _publish(tmp, final, meta.get("job_dir"))
-    # Only this launch's own: a root may also hold the checkpoints it resumed from.
-    own = complete_checkpoints(root, launch=meta.get("job_dir"))
+    # Only this launch's own (a root may also hold the checkpoints it resumed from), and none something refers to.
+    own = [p for p in complete_checkpoints(root, launch=meta.get("job_dir")) if not (p / PINNED).exists()]
     for old in own[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -278,9 +286,14 @@ def _publish(tmp: Path, final: Path, launch: str | None) -> None:
 
 class _MetadataUnpickler(pickle.Unpickler):
     """An unpickler for DCP's ``.metadata`` that builds only what such an index holds (pickle's "restricting
-    globals"): classes of ``torch.distributed.checkpoint``, ``torch.Size``, torch dtypes and layouts, paths."""
+    globals"): exactly the classes named in ``ALLOWED`` (DCP's metadata classes, its file-system reader's storage
+    info, ``torch.Size``, the tensor layout, paths) and torch's dtypes; any other global is refused."""
 
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    DCP_METADATA = ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+                    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+    ALLOWED = {*(("torch.distributed.checkpoint.metadata", name) for name in DCP_METADATA),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+               ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
                ("pathlib", "PureWindowsPath")}
 
@@ -289,10 +302,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module.startswith("torch.distributed.checkpoint.") and "." not in name:
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a metadata class (a dataclass or an enum), never a function
-                return found
         raise pickle.UnpicklingError(f"a checkpoint index may not name {module}.{name}: this is not a DCP checkpoint "
                                      "hydraddp reads")
 

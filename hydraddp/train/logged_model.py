@@ -22,6 +22,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.tracking.events import EventWriter
+from hydraddp.train import checkpoint as checkpoints
 from hydraddp.models.hf import HF_TARGET, config_dict
 
 log = logging.getLogger("hydraddp.train.loop")
@@ -118,6 +119,8 @@ def record_model(cfg: DictConfig, model: nn.Module, batch: Any, step: int, event
             log.warning("the model of step %d (%.0f MB, above tracking.model.max_copy_mb=%s) is not logged: no "
                         "checkpoint root to refer to", step, size / MB, cfg.tracking.model.max_copy_mb)
             return
+        # The LoggedModel names this checkpoint: keep_last must never prune it away.
+        checkpoints.pin(checkpoint, f"the LoggedModel of step {step}")
         where = {"checkpoint": str(checkpoint)}
         if cfg.model.get("_target_") == HF_TARGET:  # a transformers model: also in the format transformers loads
             where["hf_export"] = _hf_export(checkpoint, model_folder(job_dir, step), cfg.tracking.model.max_copy_mb)

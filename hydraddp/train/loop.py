@@ -23,6 +23,7 @@ from torch import nn
 import hydraddp.distributed as idist
 from hydraddp.build import flops_per_token as model_flops_per_token
 from hydraddp.build import data_mesh, instantiate_model, wrap_model
+from hydraddp.parallel.precision import precision_spec
 from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
 from hydraddp.tracking import names
@@ -56,6 +57,7 @@ class TrainResult:
     # Per rank, over this launch's second step (plan.measure): the peak of tensor memory and its parts at that moment.
     tensor_peaks: list[dict[str, Any]] = field(default_factory=list)
     preempted: dict[str, Any] | None = None  # a signal stopped training: step, checkpoint, signal
+    mfu: float | None = None  # the last logging window's model FLOP utilization, where the device's peak is known
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,7 +212,7 @@ def _perf(throughput: Throughput, result: TrainResult, batch: Any, flops_per_tok
     perf = {names.SAMPLES_PER_S: result.samples_per_s, names.STEP_TIME_S: result.step_time_s}
     tokens = tasks.tokens_per_sample(batch)
     if flops_per_token and device_flops and tokens:
-        perf[names.MFU] = flops_per_token * result.samples_per_s * tokens / (device_flops * world)
+        perf[names.MFU] = result.mfu = flops_per_token * result.samples_per_s * tokens / (device_flops * world)
     return perf
 
 
@@ -284,7 +286,8 @@ def _start(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None,
     # stay as it was until this launch has taken a step).
     datasets = (inputs.describe_datasets(saved_config, parts.train_set, parts.eval_set)
                 if events is not None and cfg.tracking.datasets else [])
-    horovod, device_flops = idist.backend() == "horovod", peak_flops(device)
+    horovod = idist.backend() == "horovod"
+    device_flops = peak_flops(device, precision_spec(cfg.precision.name).compute_dtype, trainer.get("peak_tflops"))
     start_step = parts.resumed.step if parts.resumed else 0
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
     result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)

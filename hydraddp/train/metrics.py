@@ -22,15 +22,39 @@ log = logging.getLogger("hydraddp.train.loop")  # the loop's lines, under the na
 WARMUP_STEPS = 10
 # Logged losses are averaged over the ranks in one all_reduce per this many steps at most.
 SYNC_STEPS = 10
-# Dense bf16 peak FLOP/s per device, for MFU; devices not listed report none rather than a guess.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+# Dense peak TFLOP/s per device model and compute dtype (the vendors' data sheets), for MFU: "bf16" (fp16 alike),
+# "tf32" (fp32 matmuls on tensor cores, when torch allows it) and "fp32". Matched against the device's full name, the
+# most specific name first: an H100 PCIe or NVL card is not the SXM part. Devices not listed report none rather than a
+# guess; trainer.peak_tflops gives the figure for any device.
+PEAK_TFLOPS = (
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100 NVL", {"bf16": 835.5, "tf32": 417.8, "fp32": 60.0}),
+    ("H200 NVL", {"bf16": 835.5, "tf32": 417.8, "fp32": 60.0}),
+    ("H100", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+)
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, compute_dtype: torch.dtype = torch.bfloat16,
+               peak_tflops: float | None = None) -> float | None:
+    """The device's peak FLOP/s in ``compute_dtype`` (what the matmuls run in): ``peak_tflops`` when given (any
+    device), else the table's figure for a CUDA device it names; None otherwise."""
+    if peak_tflops:
+        return float(peak_tflops) * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    peaks = next((peaks for key, peaks in PEAK_TFLOPS if key in name), None)
+    return peaks[_dtype_key(compute_dtype)] * 1e12 if peaks else None
+
+
+def _dtype_key(compute_dtype: torch.dtype) -> str:
+    if compute_dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -161,7 +185,9 @@ def _micro_batch_mem_tracker() -> Any:
       (``reset_mod_stats``) while the peak of the whole span, which is all that is read here, carries on.
     - A module whose parameters are not leaves gets no gradient hooks ("post accumulate grad hooks cannot be
       registered on non-leaf tensors"): FSDP1 with ``use_orig_params=True`` makes them views of its flat parameter
-      in the forward, and its gradients are counted on that flat parameter."""
+      in the forward, and its gradients are counted on that flat parameter.
+    - A frozen parameter (a LoRA model's base weights) gets none either ("cannot register a hook on a tensor that
+      doesn't require gradient"): no gradient ever comes to it, so gradients count only what trains."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class MicroBatchMemTracker(MemTracker):
@@ -175,6 +201,19 @@ def _micro_batch_mem_tracker() -> Any:
         def _track_module_params_and_buffers(self, module: torch.nn.Module,
                                              install_grad_hooks: bool = True) -> tuple[int, int]:
             leaves = all(p.is_leaf for p in module.parameters())
+            for param in module.parameters():  # the stock tracker hooks a parameter it holds no handles for
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
             return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
 
     return MicroBatchMemTracker()
+
+
+class _NoHook:
+    """The handle of a hook never installed (a frozen parameter's), for the tracker to remove at its end."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()

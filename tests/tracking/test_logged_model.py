@@ -174,3 +174,16 @@ def test_logging_leaves_the_run_running_and_logs_a_retried_event_once(mlflow_ser
     mlflow.set_tracking_uri(mlflow_server.uri)
     with torch.no_grad():
         assert torch.equal(mlflow.pytorch.load_model(f"models:/{model_id}")(INPUT), trained(INPUT))
+
+
+def test_a_checkpoint_a_logged_model_names_is_never_pruned(mlflow_server, tmp_path):
+    """Above max_copy_mb a LoggedModel names its checkpoint; keep_last=1 once pruned the ones of steps 4 and 8 two saves
+    later, and the models' hydraddp.checkpoint tags pointed at nothing."""
+    experiment = f"pinned-{uuid.uuid4().hex[:6]}"
+    job, _ = launched(tmp_path, "wrap=fsdp2", "tracking.model.max_copy_mb=0", "tracking.model.every_checkpoint=true",
+                      "checkpoint.every_n_steps=4", "checkpoint.keep_last=1",
+                      *tracked(mlflow_server, experiment, model=True))
+    named = sorted(Path(m.tags["hydraddp.checkpoint"]) for m in models_of(mlflow_server, experiment))
+    assert named == [step_dir(job / "checkpoints", step) for step in (4, 8, STEPS)]
+    assert all((path / "meta.json").exists() for path in named)  # each loads: python -m hydraddp.export works
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == [p.name for p in named]

@@ -49,3 +49,18 @@ def test_an_index_that_names_code_is_refused_without_running_it(saved, tmp_path)
                                               r"index may not name posix\.mkdir"):
         check_readable(path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("module, name", [
+    ("torch.distributed.checkpoint.planner", "SavePlan"),  # a DCP class, but none an index holds
+    ("torch.distributed.checkpoint.filesystem", "FileSystemWriter"),  # once let through: any class of a DCP module
+    ("torch.distributed.checkpoint.metadata", "field"),  # a name the metadata module imports, not its own class
+])
+def test_only_the_classes_the_unpickler_names_are_built(saved, module, name):
+    """The unpickler allows exactly the classes it names: a pickle that asks for another class of DCP's own modules
+    is refused as surely as one that asks for ``os.mkdir``."""
+    path, _ = saved
+    # A pickle that only names the global (protocol 2: GLOBAL opcode), then stops: building it is the question.
+    (path / ".metadata").write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode() + b".")
+    with pytest.raises(CheckpointError, match=f"index may not name {module}.{name}"):
+        check_readable(path)
