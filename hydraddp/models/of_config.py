@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from hydraddp.config.instantiate import instantiate, model_kwargs
-from hydraddp.models.hf import HF_TARGET, is_model_directory
+from hydraddp.models.hf import HF_TARGET, causal_lm, is_model_directory
 
 
 def model_factory(model_cfg: DictConfig | Mapping[str, Any],
@@ -29,8 +29,6 @@ def model_factory(model_cfg: DictConfig | Mapping[str, Any],
     node = model_kwargs(model_cfg)
     if node.get("_target_") == HF_TARGET:
         if saved_hf_config is not None:
-            from hydraddp.models.hf import causal_lm
-
             saved, attention = dict(saved_hf_config), node.get("attn_implementation", "sdpa")
             return lambda: causal_lm(attn_implementation=attention, saved_config=saved)
         if is_model_directory(model_cfg.get("pretrained")):

@@ -36,19 +36,20 @@ def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def whole_and_meta(name: str) -> tuple[nn.Module, torch.Tensor, nn.Module, object, torch.Tensor]:
+def whole_and_meta(factory) -> tuple[nn.Module, torch.Tensor, nn.Module, object, torch.Tensor]:
+    """The model built whole and on meta under the same seed, with the generator's next draw after each."""
     torch.manual_seed(SEED)
-    whole = FACTORIES[name]()
+    whole = factory()
     after_whole = torch.rand(4)
     torch.manual_seed(SEED)
-    meta, replay = build_on_meta(FACTORIES[name])
+    meta, replay = build_on_meta(factory)
     after_meta = torch.rand(4)
     return whole, after_whole, meta, replay, after_meta
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_a_model_built_on_meta_gets_the_whole_builds_values_in_any_order(name):
-    whole, after_whole, meta, replay, after_meta = whole_and_meta(name)
+    whole, after_whole, meta, replay, after_meta = whole_and_meta(FACTORIES[name])
     assert all(t.is_meta for t in tensors(meta).values())
     assert torch.equal(after_whole, after_meta)  # the generator is left where the whole build leaves it
     for module in reversed(list(meta.modules())):  # the last module first: each from its own recorded state
@@ -123,12 +124,8 @@ EXACT = {"draws_in_init": DrawsInInit, "reinitialized": ReinitializedAfterConstr
 
 @pytest.mark.parametrize("name", sorted(EXACT))
 def test_writes_after_construction_are_replayed_op_by_op_to_the_bit(name):
-    torch.manual_seed(SEED)
-    whole = EXACT[name]()
-    after_whole = torch.rand(4)
-    torch.manual_seed(SEED)
-    meta, replay = build_on_meta(EXACT[name])
-    assert torch.equal(after_whole, torch.rand(4))
+    whole, after_whole, meta, replay, after_meta = whole_and_meta(EXACT[name])
+    assert torch.equal(after_whole, after_meta)
     replay.materialize(meta)
     expected, got = tensors(whole), tensors(meta)
     assert expected.keys() == got.keys()
