@@ -157,12 +157,13 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, mesh: MeshS
 
 class Batches:
     """The training batches after ``step`` steps: the same epochs, order, worker seeds and worker RNGs as an
-    uninterrupted run. ``state`` is ``state_dict()`` as a checkpoint of the same world size saved it; without it a
+    uninterrupted run; ``data_rank`` is this rank's data-parallel rank (``readers``), which its workers' seeds mix in. ``state`` is ``state_dict()`` as a checkpoint of the same world size saved it; without it a
     map-style set starts at the step's position through its sampler, and an iterable one at its beginning. Its
     iterator exists once this is built (before a resume restores the RNG states)."""
 
-    def __init__(self, loader: StatefulDataLoader, step: int, seed: int, state: dict[str, Any] | None = None):
-        self.loader, self.seed = loader, seed
+    def __init__(self, loader: StatefulDataLoader, step: int, seed: int, state: dict[str, Any] | None = None,
+                 data_rank: int = 0):
+        self.loader, self.seed, self.data_rank = loader, seed, data_rank
         iterable = isinstance(loader.dataset, IterableDataset)
         if state is not None and state.get("workers") == loader.num_workers:
             self.epoch = state["epoch"]
@@ -180,7 +181,8 @@ class Batches:
     def _open(self) -> Iterator:
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(self.epoch)
-        self.loader.generator.manual_seed(self.seed * 100_003 + self.epoch)  # worker seeds per (seed, epoch)
+        # Worker seeds per (seed, data-parallel rank, epoch): each replica's workers augment differently.
+        self.loader.generator.manual_seed(rng.stream_seed(self.seed, self.data_rank, self.epoch))
         return iter(self.loader)
 
     def state_dict(self) -> dict[str, Any]:

@@ -148,6 +148,7 @@ class _Parts:
     train_set: Any
     eval_set: Any
     tp: int = 1  # the ranks of a TP group, which read (and count) the same batch
+    data_rank: int = 0  # this rank's data-parallel rank (``data.readers``): which share it reads, whose seeds it draws
 
 
 def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
@@ -177,7 +178,8 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
                   data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed, mesh),
                   data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers, mesh), resumed,
-                  flops_per_token, model_class, train_set, eval_set, mesh.tp if mesh is not None else 1)
+                  flops_per_token, model_class, train_set, eval_set, mesh.tp if mesh is not None else 1,
+                  data.readers(mesh)[0])
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
@@ -292,7 +294,9 @@ def _start(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None,
     last_step = min(trainer.max_steps, trainer.stop_at_step or trainer.max_steps)
     result = TrainResult(steps=0, world_size=world, final_loss=float("nan"), samples_per_s=0.0, step_time_s=0.0)
     progress = _progress(cfg, start_step)
-    batches = data.Batches(parts.loader, start_step, trainer.seed, parts.resumed.loader if parts.resumed else None)
+    rng.seed_rank(trainer.seed, parts.data_rank, start_step)  # the model was built alike on every rank; now its own
+    batches = data.Batches(parts.loader, start_step, trainer.seed, parts.resumed.loader if parts.resumed else None,
+                           parts.data_rank)
     if parts.resumed is not None:
         rng.restore(parts.resumed.rng)  # now: nothing draws between here and the first step
     # What will really run: the realized wrapper (wrap=auto decided), and the steps left after a resume.

@@ -1,5 +1,6 @@
 """A process's RNG states (torch, CUDA, NumPy, Python) as JSON, and back: for checkpoints, and for the data
-loader's workers (``data.WorkerRng``). Literals only: restoring runs no code."""
+loader's workers (``data.WorkerRng``). Literals only: restoring runs no code. And the seeds of a data-parallel
+rank's own streams (``stream_seed``, ``seed_rank``)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,26 @@ def restore(saved: dict[str, Any] | None) -> None:
                              numpy_state["cached_gaussian"]))
     if "cuda" in saved and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([decode(s) for s in saved["cuda"]])
+
+
+def stream_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed of its own for each ``(seed, *keys)``: NumPy's ``SeedSequence`` mixes them, so nearby keys (rank
+    0 and 1, epoch 3 and 4) give unrelated streams, where ``seed + rank`` would let rank 1's epoch 0 be rank 0's
+    epoch 1."""
+    import numpy as np
+
+    high, low = np.random.SeedSequence([seed, *keys]).generate_state(2, np.uint32)
+    return (int(high) << 31) ^ int(low)
+
+
+def seed_rank(seed: int, data_rank: int, step: int) -> None:
+    """Seed this process's RNGs (torch on every device, NumPy, Python) for training from ``step`` as data-parallel rank
+    ``data_rank``: each replica draws its own dropout masks (the same noise on every replica would be correlated
+    across the global batch), while the ranks of one TP group, which share ``data_rank``, draw the same ones, as a
+    replicated activation needs. The model is built before this, under ``seed`` alone, identical on every rank. A
+    resume at the same world size then restores the saved states over these (``restore``)."""
+    import numpy as np
+
+    torch.manual_seed(stream_seed(seed, data_rank, step))
+    np.random.seed(stream_seed(seed, data_rank, step, 1) % 2**32)
+    random.seed(stream_seed(seed, data_rank, step, 2))

@@ -56,6 +56,9 @@ def test_the_plan_holds_the_measured_bytes_exactly_and_the_peak_to_ten_percent(r
         assert 0.9 * low <= measured <= 1.1 * high, (name, low, high, measured)
 
 
-def test_at_least_six_combinations_hold_to_ten_percent(runs, plans):
+def test_eight_of_nine_combinations_hold_to_ten_percent_as_the_readme_says(runs, plans):
+    """The README's claim, word for word: 8 of 9 within 10%, and the one that is not is wrap=fsdp on gloo, which
+    says it is unsure and by how much (held to that by the test above)."""
     within = {name: held(plans[name], runs[0][name]["tensor_peaks"][0]["peak_bytes"]) for name in CASES}
-    assert sum(within.values()) >= 6, within
+    assert sum(within.values()) >= 8, within
+    assert all("fsdp-" in name and plans[name].unsure for name, ok in within.items() if not ok), within

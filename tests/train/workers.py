@@ -291,3 +291,30 @@ def evaluate_unevenly(local_rank: int, wraps: list[str], samples: int, batch_siz
         metrics, counted = evaluate(model, loader, idist.device(), tasks.CausalLM())
         out[wrap] = {"metrics": metrics, "samples": counted, "batches": len(loader)}
     return out
+
+
+def dropout_masks(local_rank: int, cases: dict[str, list[str]]) -> dict:
+    """The dropout masks each composed config's ``train()`` drew on this rank, in order (a global forward hook sees
+    every ``nn.Dropout``: where its output is zero and its input was not)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from hydraddp.config.compose import compose
+    from hydraddp.train.loop import train
+
+    masks: list[torch.Tensor] = []
+
+    def record(module, inputs, output):
+        if isinstance(module, nn.Dropout) and module.training:
+            local = getattr(output, "_local_tensor", output)  # a TP-split activation: this rank's part
+            masks.append(((local == 0) & (getattr(inputs[0], "_local_tensor", inputs[0]) != 0)).detach().clone())
+
+    out = {}
+    handle = register_module_forward_hook(record)
+    try:
+        for name, overrides in cases.items():
+            masks.clear()
+            result = train(compose(overrides))
+            out[name] = {"masks": list(masks), "losses": result.losses}
+    finally:
+        handle.remove()
+    return out
