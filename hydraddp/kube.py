@@ -51,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from hydraddp.clusters.kube import manifest
 
-    job = manifest(cfg, overrides, image=args.image, name=args.name, namespace=args.namespace,
-                   tracking_secret=args.tracking_secret, cpu=args.cpu, memory=args.memory,
-                   gpus_per_node=args.gpus_per_node)
+    try:
+        job = manifest(cfg, overrides, image=args.image, name=args.name, namespace=args.namespace,
+                       tracking_secret=args.tracking_secret, cpu=args.cpu, memory=args.memory,
+                       gpus_per_node=args.gpus_per_node)
+    except ValueError as exc:
+        print(f"hydraddp.kube: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     print(yaml.safe_dump(job, sort_keys=False), end="")
     return 0
 

@@ -53,9 +53,13 @@ def _before_submission_problems(config: DictConfig) -> list:
                              "Point every job at one MLflow server: tracking.uri=http://HOST:PORT, or set "
                              "tracking.enabled=false."))
     if _single_job():
-        from hydraddp.preflight.config import problems
+        import copy
 
-        found += problems(config)
+        from hydraddp.preflight.config import nproc_problems, problems
+
+        job = copy.deepcopy(config)  # as the job's nodes run it: nproc_per_node=auto is its tasks per node
+        job.launcher.nproc_per_node = job.hydra.launcher.get("tasks_per_node", job.launcher.nproc_per_node)
+        found += nproc_problems(job) or problems(job)
     return found
 
 

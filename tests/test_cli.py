@@ -157,7 +157,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     assert done.returncode == 0
     printed = yaml.safe_load(done.stdout)
     assert (printed["wrap"]["name"], printed["precision"]["name"], printed["launcher"]["nproc_per_node"]) == \
-        ("fsdp2", "bf16", 2)
+        ("fsdp2", "bf16", "auto")  # as composed: the launch decides auto (one per GPU under nccl, else 2)
     assert job_dirs(tmp_path) == []
 
 

@@ -63,6 +63,9 @@ def manifest(cfg: Any, overrides: list[str], *, image: str, name: str, namespace
     from kubernetes import client as k8s
 
     launcher = cfg.launcher
+    if gpus_per_node is None and cfg.backend.name == "nccl" and launcher.nproc_per_node == "auto":
+        raise ValueError("backend=nccl with launcher.nproc_per_node=auto: the pods' GPUs are not known here. Pass "
+                         "--gpus-per-node N (each pod then runs one rank per GPU), or set launcher.nproc_per_node=N.")
     gpus = gpus_per_node if gpus_per_node is not None else (launcher.nproc_per_node if cfg.backend.name == "nccl"
                                                             else 0)
     limits = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}

@@ -35,8 +35,11 @@ def prepare_argv(argv: list[str]) -> list[str]:
     unless ``hydra.launcher.nodes`` / ``tasks_per_node`` are given."""
     if launcher_choice(argv) not in LAUNCHERS:
         return argv
-    extra = [f"hydra.launcher.{key}=${{launcher.{source}}}" for key, source in
-             (("tasks_per_node", "nproc_per_node"), ("nodes", "nnodes"))
+    # nproc_per_node=auto: one task per GPU the job asks for (config.schema.tasks_per_node). Quoted: Hydra's override
+    # grammar takes a resolver's nested interpolations only inside quotes.
+    tasks = "'${hydraddp.tasks_per_node:${launcher.nproc_per_node},${hydra.launcher.gpus_per_node}}'"
+    values = {"tasks_per_node": tasks, "nodes": "${launcher.nnodes}"}
+    extra = [f"hydra.launcher.{key}={value}" for key, value in values.items()
              if not any(a.startswith(f"hydra.launcher.{key}=") for a in argv)]
     if not {"-m", "--multirun"} & set(argv):
         os.environ[SINGLE_JOB_ENV] = "1"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -42,7 +42,7 @@ class OffloadConfig:
 
 @dataclass
 class LauncherConfig:
-    nproc_per_node: int = 2
+    nproc_per_node: Any = "auto"  # an integer, or auto: one per GPU with nccl (parallel.machine.auto_nproc_per_node)
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None
@@ -163,5 +163,17 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
+def tasks_per_node(nproc_per_node: Any, gpus_per_node: Any) -> int:
+    """A Slurm job's tasks per node for ``launcher.nproc_per_node``: ``auto`` is one per GPU the job asks for
+    (``hydra.launcher.gpus_per_node``), and without GPUs the CPU default (``machine.auto_nproc_per_node``'s rule, on
+    the nodes the job gets rather than the machine that submits it)."""
+    from hydraddp.parallel.machine import CPU_NPROC_PER_NODE
+
+    if nproc_per_node != "auto":
+        return nproc_per_node
+    return int(gpus_per_node) if gpus_per_node else CPU_NPROC_PER_NODE
+
+
 def register() -> None:
     ConfigStore.instance().store(name="hydraddp_schema", node=Config)
+    OmegaConf.register_new_resolver("hydraddp.tasks_per_node", tasks_per_node, replace=True)

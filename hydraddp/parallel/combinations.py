@@ -124,7 +124,8 @@ def _backend_problems(combo: Combination, wrap: str) -> Iterator[Problem]:
         yield _problem(combo, ("backend", "nproc_per_node"),
                        f"backend=nccl runs one process per GPU, but {n('nproc_per_node')}={nproc} and this node has "
                        f"{combo.cuda_device_count} GPU(s).",
-                       f"Set {n('nproc_per_node')}={combo.cuda_device_count} (or fewer).")
+                       f"Set {n('nproc_per_node')}={combo.cuda_device_count} (or fewer)"
+                       + (", or auto (one per GPU)." if n("nproc_per_node").startswith("launcher.") else "."))
     if backend == "mpi" and not combo.has_mpi:
         yield _problem(combo, ("backend",), "backend=mpi needs a torch build with MPI, and this one has none.",
                        "Use backend=gloo, or backend=horovod under mpirun.")

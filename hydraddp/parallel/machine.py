@@ -73,6 +73,26 @@ def cuda_device_count(env: Mapping[str, str] | None = None, gpus_dir: Path = NVI
     return torch.cuda.device_count()
 
 
+CPU_NPROC_PER_NODE = 2  # launcher.nproc_per_node=auto without a GPU: two processes, enough to be distributed
+GPU_BACKENDS = ("auto", "nccl", "horovod")  # the backends that run one process per GPU when the node has GPUs
+
+
+def auto_nproc_per_node(backend: str, gpus: int | None = None) -> int:
+    """``launcher.nproc_per_node=auto``, as torchrun's ``--nproc-per-node=gpu``: one process per visible GPU (after
+    ``CUDA_VISIBLE_DEVICES``) under a backend that runs one per GPU; one under ``backend=none``; else
+    ``CPU_NPROC_PER_NODE``. ``gpus``: the node's count when known (``cuda_device_count``)."""
+    if backend == "none":
+        return 1
+    gpus = cuda_device_count() if gpus is None else gpus
+    return gpus if gpus > 0 and backend in GPU_BACKENDS else CPU_NPROC_PER_NODE
+
+
+def nproc_per_node_of(value: Any, backend: str) -> Any:
+    """``launcher.nproc_per_node`` as a count: ``auto`` decided here (``auto_nproc_per_node``); any other value as it
+    is (an integer, or what the validation refuses)."""
+    return auto_nproc_per_node(backend) if value == "auto" else value
+
+
 def rank_device_index(local_rank: int, visible: int) -> int:
     """The GPU index a rank uses among the ``visible`` ones: its local rank, or the one GPU its process sees
     (``srun --gpus-per-task=1`` gives every task a GPU of its own, which it sees as device 0)."""

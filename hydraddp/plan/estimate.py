@@ -174,12 +174,13 @@ def _simulate(cfg: DictConfig, world_size: int, rank: int) -> _Simulated:
     from hydraddp.build import build_path, instantiate_model, wrap_model
     from hydraddp.config.instantiate import instantiate
     from hydraddp.distributed.simulated import simulated_world
+    from hydraddp.parallel.machine import nproc_per_node_of
     from hydraddp.train import tasks
     from hydraddp.train.metrics import TensorPeak
     from hydraddp.train.optim import parameter_groups
     from hydraddp.train.step import train_step
 
-    nproc = min(cfg.launcher.nproc_per_node, world_size)
+    nproc = min(nproc_per_node_of(cfg.launcher.nproc_per_node, cfg.backend.name), world_size)
     with simulated_world(world_size, cfg.backend.name, nproc, rank, mesh_shape=dict(cfg.mesh)):
         batch = _first_batch(cfg)
         bare = instantiate_model(cfg)

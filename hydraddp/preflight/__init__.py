@@ -7,7 +7,7 @@ resume starts from, ``model.pretrained``, the meta-device replay and the TP plan
 and another launch's checkpoints in the same root. The launch plan calls it once; ``python -m hydraddp.plan`` asks
 ``config_problems``, the same checks without a job directory.
 
-``cfg`` is completed in place: ``backend=auto`` decided, a pretrained directory's sizes, and the checkpoint a resume
+``cfg`` is completed in place: ``backend=auto`` and ``launcher.nproc_per_node=auto`` decided, a pretrained directory's sizes, and the checkpoint a resume
 (or a preempted job's relaunch) starts from, with the MLflow run it continues.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hydraddp.parallel.combinations import Combination, Problem
-from hydraddp.preflight.config import combination_of, problems, resolve_backend
+from hydraddp.preflight.config import combination_of, complete, nproc_problems, problems
 from hydraddp.preflight.launch import attached_problems, collision_problems, tracking_problems
 from hydraddp.preflight.model import model_problems, pretrained_problems, resume_after_preemption, resume_problems
 
@@ -44,7 +44,9 @@ def check(cfg: DictConfig, job_dir: Path, overrides: list[str], *, leads: bool,
     """Every check of a launch from ``job_dir``. ``leads``: this process reports the launch (only it knows the agreed
     job directory: it finds and checks the checkpoint, and its workers pass the path to every rank).
     ``settle_job_dir``: where a config that passes goes on (after a restart, the first attempt's directory)."""
-    cfg.backend.name = resolve_backend(cfg.backend.name)
+    complete(cfg)
+    if nproc_problems(cfg):
+        return Verdict(nproc_problems(cfg))
     combo = combination_of(cfg)
     found = problems(cfg, combo) + attached_problems(cfg, overrides)
     preemptions = resume_after_preemption(cfg, job_dir) if not found else 0
@@ -67,5 +69,4 @@ def check(cfg: DictConfig, job_dir: Path, overrides: list[str], *, leads: bool,
 def config_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     """The checks of the config alone, as a launch makes them (no job directory, no tracking server): what
     ``python -m hydraddp.plan`` refuses."""
-    cfg.backend.name = resolve_backend(cfg.backend.name)
-    return problems(cfg, combination_of(cfg)) or model_problems(cfg, overrides)
+    return problems(cfg) or model_problems(cfg, overrides)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydraddp.parallel.combinations import Combination, Problem, check_compatibility
 from hydraddp.distributed.env import detect_launch_env
-from hydraddp.parallel.machine import combination, cuda_device_count
+from hydraddp.parallel.machine import combination, cuda_device_count, nproc_per_node_of
 from hydraddp.tracking import names
 from hydraddp.train.preemption import signal_numbers
 
@@ -41,6 +41,23 @@ def resolve_backend(name: str) -> str:
     if name != "auto":
         return name
     return "nccl" if cuda_device_count() > 0 else "gloo"
+
+
+def complete(cfg: DictConfig) -> None:
+    """Decide ``backend=auto`` and then ``launcher.nproc_per_node=auto`` in ``cfg``, for this machine: what the
+    checks, the plan and the launch all read from then on."""
+    cfg.backend.name = resolve_backend(cfg.backend.name)
+    cfg.launcher.nproc_per_node = nproc_per_node_of(cfg.launcher.nproc_per_node, cfg.backend.name)
+
+
+def nproc_problems(cfg: DictConfig) -> list[Problem]:
+    """``launcher.nproc_per_node`` that is not a count once ``complete`` decided ``auto``: refused before anything
+    computes a world size with it."""
+    nproc = cfg.launcher.nproc_per_node
+    if isinstance(nproc, int) and not isinstance(nproc, bool):
+        return []
+    return [Problem(("launcher.nproc_per_node",), f"launcher.nproc_per_node={nproc} is neither a number of "
+                    "processes nor auto.", "Set launcher.nproc_per_node=N, or auto (one per GPU under nccl, else 2).")]
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -87,7 +104,10 @@ def combination_of(cfg: DictConfig) -> Combination:
 
 def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]:
     """Every problem of the composed ``cfg`` (whose core view is ``combo``, when known), each naming its config keys
-    and the fix."""
+    and the fix. ``cfg``'s ``auto`` values are decided first (``complete``)."""
+    complete(cfg)
+    if nproc_problems(cfg):
+        return nproc_problems(cfg)
     found = check_compatibility(combo or combination_of(cfg)) + range_problems(cfg)
     for rule in SETTING_RULES:
         found += rule(cfg)
@@ -174,8 +194,8 @@ def launcher_problems(cfg: DictConfig) -> list[Problem]:
     processes and nodes, and the launcher group is unused)."""
     if detect_launch_env() is not None:
         return []
-    found = []
     launcher = cfg.launcher
+    found = []
     if launcher.nproc_per_node < 1 or launcher.nnodes < 1:
         found.append(Problem(("launcher.nproc_per_node", "launcher.nnodes"),
                              f"launcher.nproc_per_node={launcher.nproc_per_node} and launcher.nnodes="

@@ -37,7 +37,7 @@ def attached_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     command line that differs from the tasks on this node would silently run fewer (or more) processes."""
     launch = detect_launch_env()
     typed = [o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith("launcher.nproc_per_node=")]
-    if launch is None or not typed or int(cfg.launcher.nproc_per_node) == launch.local_world_size:
+    if launch is None or not typed or typed[-1] == "auto" or cfg.launcher.nproc_per_node == launch.local_world_size:
         return []
     return [Problem(("launcher.nproc_per_node",),
                     f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}, but {launch.source} started "

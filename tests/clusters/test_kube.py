@@ -100,3 +100,14 @@ def test_a_secret_looking_override_is_refused_rather_than_written_in_clear():
     done = kube("--image", "i:1", "+trainer.api_key=abc123")
     assert done.returncode == 2 and "abc123" not in done.stdout + done.stderr
     assert "Put the value in a Secret" in done.stderr
+
+
+def test_nccl_with_nproc_per_node_auto_asks_for_the_pods_gpus_and_runs_one_rank_per_gpu_given():
+    """auto is one rank per GPU the pod sees, and the manifest asks for the GPUs: here they are not known."""
+    done = kube("--image", "i:1", "backend=nccl")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "backend=nccl with launcher.nproc_per_node=auto" in done.stderr and "--gpus-per-node N" in done.stderr
+    given = yaml.safe_load(kube("--image", "i:1", "--gpus-per-node", "8", "backend=nccl").stdout)
+    assert given["spec"]["nprocPerNode"] == "auto"  # torchrun's own auto in the pod: its 8 GPUs
+    container = given["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"

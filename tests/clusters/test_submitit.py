@@ -126,3 +126,13 @@ def test_the_slurm_preset_makes_the_sbatch_script_people_expect(tmp_path, monkey
                  "--time=240", "--job-name=hydraddp"):
         assert f"#SBATCH {line}\n" in script, line
     assert executor._executor.max_num_timeout == 3
+
+
+def test_the_slurm_preset_runs_one_task_per_gpu_it_asks_for_under_nproc_per_node_auto():
+    """launcher.nproc_per_node=auto (the default) on Slurm: the GPUs are on the nodes the job gets, not the machine
+    that submits it, so auto is hydra.launcher.gpus_per_node tasks per node, and the CPU default without GPUs."""
+    from hydraddp.config.compose import compose
+
+    for given, tasks in ((["hydra.launcher.gpus_per_node=4"], 4), ([], 2), (["launcher.nproc_per_node=3"], 3)):
+        cfg = compose(["hydra/launcher=slurm", *given], return_hydra_config=True)
+        assert cfg.hydra.launcher.tasks_per_node == tasks, given

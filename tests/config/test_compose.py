@@ -92,7 +92,7 @@ def test_misspelled_key_and_wrong_type_fail_at_compose_time():
         compose(["trainer.max_stpes=3"])
     assert isinstance(misspelled.value.__cause__, ConfigAttributeError)  # "Key not in TrainerConfig"
     with pytest.raises(ConfigCompositionException) as wrong_type:
-        compose(["launcher.nproc_per_node=two"])
+        compose(["launcher.nnodes=two"])
     assert isinstance(wrong_type.value.__cause__, ValidationError)
 
 

@@ -12,7 +12,7 @@ CASES = [
     (["precision=fp16"], ["precision=fp16 needs CUDA", "precision=bf16"]),
     (["wrap=dp"], ["wrap=dp is single-process DataParallel, but launcher.nproc_per_node=2"]),
     (["backend=horovod", "wrap=fsdp2"], ["wrap=fsdp2 cannot run under backend=horovod"]),
-    (["backend=none"], ["backend=none runs one process", "launcher.nproc_per_node=2", "launcher.nproc_per_node=1"]),
+    (["backend=none", "launcher.nproc_per_node=2"], ["backend=none runs one process", "launcher.nproc_per_node=2", "launcher.nproc_per_node=1"]),
     (["model.sync_bn=true", "wrap=fsdp2"], ["sync_bn=true needs GPUs", "model.sync_bn=false"]),
     (["model.init_device=gpu"], ["model.init_device=gpu is not one of auto, meta, cpu", "model.init_device=auto"]),
     (["data.batch_size=63"], ["data.batch_size=63 is the global batch", "(63 / 2 = 31.5)", "data.batch_size=64"]),
@@ -26,7 +26,9 @@ CASES = [
     (["wrap=zero3"], ["Could not find 'wrap/zero3'", "fsdp2", "python -m hydraddp --help"]),
     (["precision=fp8"], ["Could not find 'precision/fp8'", "bf16-true"]),
     (["trainer.max_stpes=3"], ["Key 'max_stpes' not in 'TrainerConfig'"]),
-    (["launcher.nproc_per_node=two"], ["Value 'two' of type 'str' could not be converted to Integer"]),
+    (["launcher.nnodes=two"], ["Value 'two' of type 'str' could not be converted to Integer"]),
+    (["launcher.nproc_per_node=two"], ["launcher.nproc_per_node=two is neither a number of processes nor auto",
+                                       "Set launcher.nproc_per_node=N, or auto"]),
 ]
 
 
