@@ -12,7 +12,6 @@ start, and for a budget nothing fits.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -35,21 +34,34 @@ def size(nbytes: float) -> str:
 def plan_overrides(overrides: list[str]) -> Estimate:
     """Compose and validate as a launch does, then estimate rank 0. Raises ConfigurationError for a config that would
     not start. The table and the budget ask for some configs twice: each is planned once."""
-    return _planned(tuple(overrides))
+    key = tuple(overrides)
+    if key not in _plans:
+        cfg = _validated(key)
+        _plans[key] = _estimate(cfg, _world_size(cfg))
+    return _plans[key]
 
 
-@functools.lru_cache(maxsize=None)
-def _planned(overrides: tuple[str, ...]) -> Estimate:
+_plans: dict[tuple[str, ...], Estimate] = {}  # by overrides: each config is planned once per command
+
+
+def _validated(overrides: tuple[str, ...]):
+    """The composed config, checked as a launch checks it (a pretrained config.json's sizes too), or
+    ConfigurationError."""
     from hydraddp.config.compose import compose
     from hydraddp.parallel.combinations import ConfigurationError
     from hydraddp.preflight import config_problems
-    from hydraddp.preflight.config import world_size
 
     cfg = compose(list(overrides))
-    found = config_problems(cfg, list(overrides))  # as the launch checks it (a pretrained config.json's sizes too)
+    found = config_problems(cfg, list(overrides))
     if found:
         raise ConfigurationError(found)
-    return _estimate(cfg, world_size(cfg))
+    return cfg
+
+
+def _world_size(cfg) -> int:
+    from hydraddp.preflight.config import world_size
+
+    return world_size(cfg)
 
 
 class NotPlanned(Exception):
@@ -63,11 +75,6 @@ def _estimate(cfg, world: int) -> Estimate:
     """``estimate`` here, or, for an N-D mesh after another, in a process of its own. Torch caches DTensor's work by
     mesh, and meshes of two fake worlds can be *equal* (the same ranks, the same names): the caches would hand back
     the earlier world's meshes, whose groups are gone."""
-    import json
-    import subprocess
-
-    from omegaconf import OmegaConf
-
     from hydraddp.parallel.mesh import MeshShape
     from hydraddp.plan.estimate import estimate
 
@@ -75,6 +82,15 @@ def _estimate(cfg, world: int) -> Estimate:
     if not (multi and _planned_here["multi_dimensional"]):
         _planned_here["multi_dimensional"] |= multi
         return estimate(cfg, world)
+    return _estimate_elsewhere(cfg, world)
+
+
+def _estimate_elsewhere(cfg, world: int) -> Estimate:
+    """``estimate`` in a process of its own (``hydraddp.plan.record``); NotPlanned when it cannot run there."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
     request = json.dumps({"config": OmegaConf.to_container(cfg, resolve=True), "world_size": world})
     done = subprocess.run([sys.executable, "-m", "hydraddp.plan.record"], input=request, capture_output=True,
                           text=True, check=False)
@@ -139,10 +155,39 @@ def _row(label: str, overrides: list[str]) -> Row:
         return label, None, str(exc)
 
 
+# A plan that took this long is worth spreading the table's other rows over the cores, each in a process of its own
+# (a 70B-sized Llama: 19 s for its own plan, 31 s more for the three other wraps one after another, on 2 cores). Below
+# it, a process's start (importing torch) would cost more than it saves.
+SPREAD_AFTER_S = 5.0
+
+
+def _spread(rows: dict[str, list[str]]) -> None:
+    """Plan ``rows`` (label: overrides) at once, on every core, into the plan cache: each composed and checked here
+    (Hydra's composition is not thread-safe), then simulated in a process of its own."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hydraddp.parallel.combinations import ConfigurationError
+
+    todo = {}
+    for overrides in rows.values():
+        try:
+            todo[tuple(overrides)] = _validated(tuple(overrides))
+        except ConfigurationError:
+            continue  # its row says why (``_row``)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        futures = {key: pool.submit(_estimate_elsewhere, cfg, _world_size(cfg)) for key, cfg in todo.items()}
+    for key, future in futures.items():
+        if future.exception() is None:
+            _plans[key] = future.result()
+
+
 def every_wrap(overrides: list[str], est: Estimate) -> list[Row]:
     """Every wrap at the config's other settings; the others on their own one-dimensional mesh."""
-    return [(wrap, est, None) if wrap == est.wrap else _row(wrap, [*without_wrap(without_mesh(overrides)), f"wrap={wrap}"])
-            for wrap in WRAPS]
+    others = {wrap: [*without_wrap(without_mesh(overrides)), f"wrap={wrap}"] for wrap in WRAPS if wrap != est.wrap}
+    if est.seconds >= SPREAD_AFTER_S:
+        _spread(others)
+    return [(wrap, est, None) if wrap == est.wrap else _row(wrap, others[wrap]) for wrap in WRAPS]
 
 
 def mesh_shapes(world_size: int, nproc_per_node: int, nnodes: int) -> list[tuple[int, int]]:

@@ -80,3 +80,30 @@ def test_a_model_with_frozen_parameters_is_measured_and_only_what_trains_has_gra
     assert 0 < sum(peak.parts.values()) <= peak.peak_bytes
     assert peak.parts.get("gradients", 0) <= 4 * trainable  # the frozen base has none
     assert base.weight.grad is None and adapter.weight.grad is not None
+
+
+def test_the_peak_is_torchs_memtrackers_own_without_its_walk_over_every_module_after_each_operator():
+    """TensorPeak reads only the span's peak, so it skips the stock tracker's per-module peaks: a walk of every module
+    after each operator, which made a 70B-sized plan (80 layers) run past ten minutes. The numbers stay torch's."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from hydraddp.models.gpt import GPT
+    from hydraddp.train.tasks import CausalLM
+
+    def step(model, optimizer):
+        tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1))
+        train_step(model, CausalLM(), (tokens[:, :-1], tokens[:, 1:]), optimizer, None, 1.0, False, 1)
+
+    torch.manual_seed(0)
+    model = GPT(depth=3, dim=32, heads=2, seq_len=16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step(model, optimizer)
+    stock = MemTracker()
+    stock.track_external(model, optimizer)
+    with stock:
+        step(model, optimizer)
+    with TensorPeak(model, optimizer) as peak:
+        step(model, optimizer)
+    stock_peak = {getattr(k, "value", k): v for per in stock.get_tracker_snapshot("peak").values() for k, v in per.items()}
+    assert peak.peak_bytes == stock_peak["Total"] > 0
+    assert peak.parts["activations"] == stock_peak["Activation"] and peak.parts["gradients"] == stock_peak["Gradient"]
