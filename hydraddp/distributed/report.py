@@ -58,6 +58,8 @@ class WrapReport:
     init_device: str = "cpu"  # "meta": built on the meta device and filled after sharding (meta_init)
     mesh: str | None = None  # "dp_replicate=2,dp_shard=2,tp=1": the mesh the model is wrapped on (fsdp2, ddp)
     mesh_coordinate: list[int] | None = None  # this rank's place in the mesh: [replica, shard, TP rank] (fsdp2)
+    kept_after_forward: list[str] = field(default_factory=list)  # fsdp2 units left gathered from forward to backward
+    notes: list[str] = field(default_factory=list)  # what the wrapping costs for nothing here, in words
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,7 +160,40 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         init_device=record.init_device if record is not None else "cpu",
         mesh=record.mesh if record is not None else None,
         mesh_coordinate=_coordinate(model, record) if wrapper == "fsdp2" else None,
+        kept_after_forward=_kept_after_forward(model, wrapped=wrapper == "fsdp2"),
+        notes=_notes(wrapper, mesh_shape, record),
     )
+
+
+def _kept_after_forward(model: nn.Module, wrapped: bool) -> list[str]:
+    """fsdp2's units that do not reshard after forward (the last block, as torchtitan does, and the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not wrapped:
+        return []
+    kept = []
+    for name, module in model.named_modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None and group.post_forward_mesh_info is None:
+            kept.append(_clean(name))
+    return kept
+
+
+def _notes(wrapper: str, mesh_shape: list[int] | None, record: WrapRecord | None) -> list[str]:
+    if wrapper not in ("fsdp", "fsdp2") or mesh_shape is None:
+        return []
+    shards = mesh_shape[-1] if wrapper == "fsdp" or record is None or record.mesh is None else \
+        _shard_degree(record.mesh)
+    if shards > 1:
+        return []
+    return [f"wrap={wrapper} over one data-parallel rank shards nothing: every rank holds every parameter, and pays "
+            "FSDP's gathers and copies for it; wrap=ddp (or none) runs the same step without them"]
+
+
+def _shard_degree(mesh: str) -> int:
+    from hydraddp.parallel.mesh import MeshShape
+
+    return MeshShape.parse(mesh).dp_shard
 
 
 def _coordinate(model: nn.Module, record: WrapRecord | None) -> list[int] | None:

@@ -168,10 +168,14 @@ def apply_fsdp2(model: nn.Module, plan: ParallelPlan, dp_mesh: Any) -> nn.Module
         for module in model.modules():
             if isinstance(module, BATCHNORM_TYPES) and not is_sharded(module) and any(True for _ in module.parameters()):
                 fully_shard(module, mp_policy=bn_mp, **common)
-    for name in policies.plan_units(model, plan.units, skip=is_sharded):
+    units = list(policies.plan_units(model, plan.units, skip=is_sharded))
+    for name in units:
         module = model.get_submodule(name)
+        # torchtitan's rule: the last unit keeps its parameters gathered after forward, since backward starts with it
+        # (resharding would only gather them again at once). The root keeps its own gathered too (fully_shard's rule).
+        last = {"reshard_after_forward": False} if name == units[-1] and "reshard_after_forward" not in kwargs else {}
         if not is_sharded(module):
-            fully_shard(module, mp_policy=unit_mp, **common)
+            fully_shard(module, mp_policy=unit_mp, **common, **last)
     if not is_sharded(model):
         fully_shard(model, mp_policy=root_mp, **common)
     return model

@@ -117,6 +117,7 @@ def render(est: Estimate, model: str) -> str:
              ("other tensors at the peak", est.temporary_bytes), ("peak", est.peak_bytes)]
     lines += [f"  {name:<32}{size(value):>12}" for name, value in parts]
     lines += [f"  unsure: {reason}" for reason in est.unsure]
+    lines += [f"  note: {note}" for note in est.notes]
     how = ("on the meta device, then its shards filled one module at a time" if est.build == "meta"
            else "whole, on every rank")
     lines += ["", f"build: {how}: {size(est.build_bytes)} of host memory for the model on rank {est.rank}"]

@@ -63,6 +63,7 @@ class Estimate:
     # model.pretrained: the bytes this rank reads from storage (its own slices of every tensor, in the file's dtype).
     pretrained_read_bytes: int | None = None
     mesh: str | None = None  # fsdp2's mesh, dp_replicate x dp_shard x tp (``2x2x1``)
+    notes: list[str] = field(default_factory=list)  # the WrapReport's: what the wrapping costs for nothing here
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,7 +152,8 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),
         peak_bytes=peak.peak_bytes, batch_per_rank=run.batch_per_rank, seconds=time.perf_counter() - started,
         unsure=unsure, peak_margin_bytes=margin,
-        mesh=MeshShape.of(cfg.mesh).resolved(world_size).label() if run.wrap == "fsdp2" else None)
+        mesh=MeshShape.of(cfg.mesh).resolved(world_size).label() if run.wrap == "fsdp2" else None,
+        notes=list(report.notes))
 
 
 class _Simulated(NamedTuple):

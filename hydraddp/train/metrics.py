@@ -160,6 +160,11 @@ class TensorPeak:
     def __enter__(self) -> TensorPeak:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        # A compiled model runs this step eagerly. Dynamo cannot trace under the tracker's dispatch mode, and a frame it
+        # gave up on stays skipped: with the measured step (plan.measure, on by default) every later step of a
+        # trainer.compile=true run, and every evaluation, ran eagerly (found with Dynamo's own frame counters).
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         self._tracker = _micro_batch_mem_tracker()
         self._tracker.track_external(self.model, self.optimizer)
         self._tracker.__enter__()
@@ -167,6 +172,7 @@ class TensorPeak:
 
     def __exit__(self, *exc_info) -> None:
         self._tracker.__exit__(*exc_info)
+        self._eager.__exit__(*exc_info)
         totals: dict[str, int] = {}
         for per_device in self._tracker.get_tracker_snapshot("peak").values():
             for kind, nbytes in per_device.items():

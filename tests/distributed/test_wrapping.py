@@ -74,3 +74,23 @@ def test_bf16_fsdp_keeps_batchnorm_in_its_own_fp32_unit(batchnorm, wrap):
     assert out["bn_running_mean_dtype"] == "torch.float32"
     # It trains like DDP under autocast, which also runs BatchNorm in fp32.
     assert out["losses"] == pytest.approx(batchnorm[0]["ddp"]["losses"], abs=1e-2)
+
+
+def test_fsdp2_keeps_the_last_block_and_the_root_gathered_from_forward_to_backward(reports):
+    """torchtitan's rule: backward starts with the last block, so resharding it after forward would only gather it
+    again at once (the root is fully_shard's own exception). A reshard_after_forward the user gives wins."""
+    assert reports[0]["fsdp2_blocks"]["kept_after_forward"] == ["<root>", "blocks.2"]
+    assert reports[0]["fsdp2_root"]["kept_after_forward"] == ["<root>"]
+    assert reports[0]["fsdp1_transformer"]["kept_after_forward"] == []
+    assert all(not reports[0][name]["notes"] for name in ("fsdp2_blocks", "fsdp1_transformer", "ddp"))
+
+
+def test_fsdp_over_one_rank_says_it_shards_nothing(pools):
+    [alone] = pools.run("tests.distributed.workers:wrap_units", {"fsdp2": ("fsdp2", {"block_classes": ["Block"]}),
+                                                                 "fsdp": ("fsdp", {"block_classes": ["Block"]})},
+                        nproc=1).values()
+    for wrap in ("fsdp2", "fsdp"):
+        assert alone[wrap]["local_numel"] == alone[wrap]["total_numel"]
+        assert alone[wrap]["notes"] == [f"wrap={wrap} over one data-parallel rank shards nothing: every rank holds "
+                                        "every parameter, and pays FSDP's gathers and copies for it; wrap=ddp (or "
+                                        "none) runs the same step without them"]

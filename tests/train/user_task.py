@@ -25,3 +25,54 @@ class TopTwo:
 
     def summarize(self, sums):
         return {"loss": sums["loss_sum"] / sums["count"], "top2_accuracy": sums["top_two"] / sums["count"]}
+
+
+class CountingCompiles:
+    """Next-token prediction that notes, before each training step's loss and each evaluation batch: the frames
+    Dynamo has compiled so far, its graph breaks, and how many GPT blocks ran as Python (``EAGER_BLOCKS``: a block
+    inside a compiled graph does not run its Python at all). For tests/train/test_compile_counters.py."""
+
+    seen: list[tuple[str, int, int, int]] = []  # (train or eval, frames compiled, graph breaks, blocks run eagerly)
+
+    def __init__(self):
+        from hydraddp.train.tasks import CausalLM
+
+        self.inner = CausalLM()
+
+    def _note(self, phase: str) -> None:
+        from torch._dynamo.utils import counters
+
+        self.seen.append((phase, counters["frames"]["total"], sum(counters["graph_break"].values()), EAGER_BLOCKS[0]))
+
+    def loss(self, model, batch):
+        self._note("train")
+        return self.inner.loss(model, batch)
+
+    def eval_sums(self, model, batch):
+        self._note("eval")
+        return self.inner.eval_sums(model, batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+EAGER_BLOCKS = [0]
+
+
+def count_eager_blocks() -> None:
+    """Make every GPT block count the times its Python runs outside a Dynamo trace."""
+    import torch
+
+    from hydraddp.models.gpt import GPTBlock
+
+    forward = GPTBlock.forward
+    if getattr(forward, "counts_eager", False):
+        return
+
+    def counted(self, x):
+        if not torch.compiler.is_compiling():
+            EAGER_BLOCKS[0] += 1
+        return forward(self, x)
+
+    counted.counts_eager = True
+    GPTBlock.forward = counted

@@ -318,3 +318,24 @@ def dropout_masks(local_rank: int, cases: dict[str, list[str]]) -> dict:
     finally:
         handle.remove()
     return out
+
+
+def compile_counts(local_rank: int, cases: dict[str, list[str]]) -> dict:
+    """Each composed config's ``train()`` under ``tests.train.user_task.CountingCompiles``: Dynamo's frames, its graph
+    breaks and the GPT blocks run eagerly, before every step and evaluation batch; and the graph-break reasons."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from hydraddp.config.compose import compose
+    from hydraddp.train.loop import train
+    from tests.train import user_task
+
+    user_task.count_eager_blocks()
+    out = {}
+    for name, overrides in cases.items():
+        torch._dynamo.reset()
+        counters.clear()
+        user_task.CountingCompiles.seen, user_task.EAGER_BLOCKS[0] = [], 0
+        train(compose([*overrides, "task._target_=tests.train.user_task.CountingCompiles"]))
+        out[name] = {"seen": list(user_task.CountingCompiles.seen), "breaks": dict(counters["graph_break"])}
+    return out
