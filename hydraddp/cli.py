@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +98,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     overrides = list(hydra_cfg.overrides.task)
     outcome: dict[str, Any] = {"job_dir": str(job_dir), "overrides": overrides}
 
-    plan = prepare(cfg, job_dir, overrides, sweeping, hydra_cfg.job.get("num") or 0, _remove_if_untouched)
-    if isinstance(plan, list):
-        _report_problems(plan, job_dir)
-        return _ended({**outcome, "status": "invalid", "error": str(plan[0])}, sweeping, EXIT_INVALID)
+    from hydraddp.preflight import claim
+
+    try:
+        plan = prepare(cfg, job_dir, overrides, sweeping, hydra_cfg.job.get("num") or 0, _remove_if_untouched)
+        if isinstance(plan, list):
+            _report_problems(plan, job_dir)
+            return _ended({**outcome, "status": "invalid", "error": str(plan[0])}, sweeping, EXIT_INVALID)
+        return _start(plan, outcome)
+    finally:
+        claim.release()  # the checkpoint.dir preflight claimed for this launch: the next launch (or job) may use it
+
+
+def _start(plan: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Start the launch's MLflow run and its node trackers, then launch."""
     outcome["job_dir"] = str(plan.job_dir)
     for warning in plan.warnings:
         print(f"hydraddp: warning: {warning}", file=sys.stderr, flush=True)
@@ -127,7 +138,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
-    from hydraddp.distributed import ConfigurationError, WorkerFailedError  # torch: after the tracker started
+    from hydraddp.distributed import WorkerFailedError  # torch: after the tracker started
     from hydraddp.launch import launch
     from hydraddp.tracking.run import FAILED, FINISHED, KILLED
 
@@ -135,22 +146,18 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     try:
         rank, result = launch(plan, tracker.events_path if tracker else None)
     except WorkerFailedError as exc:
-        if tracker:
-            tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=flush_s)
-        invalid = exc.error.startswith(f"{ConfigurationError.__name__}: ")
-        if invalid:  # found by the workers before training (a checkpoint root that not every node sees)
-            print(f"hydraddp: invalid configuration (rank {exc.rank}, before training):\n"
-                  f"{exc.error.split(': ', 1)[1]}", file=sys.stderr)
-        else:
-            print(failure_block(exc, plan.job_dir / "logs" / f"rank{exc.rank}.log"), file=sys.stderr)
-        return _ended({**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
-                       "run_id": tracker.run_id if tracker else None}, plan.sweeping,
-                      EXIT_INVALID if invalid else EXIT_WORKER_FAILED)
+        return _worker_failed(exc, plan, tracker, outcome)
     except BaseException as exc:
         preempted = _preemption_since(plan)
         if preempted is not None:
             # torch's agent got the signal too: it passed it on, waited for the workers' checkpoint, then raised
             return _stop_preempted(preempted, plan, tracker, outcome, rank=0)
+        attached = detect_launch_env()
+        if attached is not None and isinstance(exc, Exception):
+            # Attached (torchrun, srun), this process is the worker: its failure is a worker's (exit 1), not a
+            # config Hydra could not compose, which is what Hydra's own exit 1 would be taken for.
+            failed = WorkerFailedError(attached.rank, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            return _worker_failed(failed, plan, tracker, outcome)
         if tracker:
             tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc), timeout_s=flush_s)
         raise
@@ -174,6 +181,25 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
               f"{result['samples_per_s']:.0f} samples/s{_mfu(result.get('mfu'))}. Job directory: {result['job_dir']}.{run}",
               flush=True)
     return _ended({**outcome, "status": "ok", **result}, plan.sweeping, EXIT_OK)
+
+
+def _worker_failed(exc: Any, plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+    """A worker failed (``WorkerFailedError``): the run is FAILED, and the launch exits 1, or 2 where the workers
+    found the config invalid before training (a checkpoint root that not every node sees)."""
+    from hydraddp.distributed import ConfigurationError
+    from hydraddp.tracking.run import FAILED
+
+    if tracker:
+        tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=plan.config["tracking"]["flush_timeout_s"])
+    invalid = exc.error.startswith(f"{ConfigurationError.__name__}: ")
+    if invalid:
+        print(f"hydraddp: invalid configuration (rank {exc.rank}, before training):\n"
+              f"{exc.error.split(': ', 1)[1]}", file=sys.stderr)
+    else:
+        print(failure_block(exc, plan.job_dir / "logs" / f"rank{exc.rank}.log"), file=sys.stderr)
+    return _ended({**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
+                   "run_id": tracker.run_id if tracker else None}, plan.sweeping,
+                  EXIT_INVALID if invalid else EXIT_WORKER_FAILED)
 
 
 def _mfu(mfu: float | None) -> str:

@@ -80,13 +80,24 @@ def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
     ``torchrun --max-restarts`` restarted the group, it goes on in the first attempt's directory, with that
     attempt's run and checkpoints, and the directory Hydra just made is removed (``remove_untouched``)."""
     attached = detect_launch_env()
-    if attached is None or attached.rank != 0 or attached.world_size == 1:
+    # At world size 1 too: an elastic job (--nnodes=1:2) that lost a node goes on alone, in the same directory and run.
+    if attached is None or attached.rank != 0:
         return job_dir, False
     agreed = job_dir_from_agent(str(job_dir))
     if agreed is None or Path(agreed) == job_dir:
         return job_dir, False
     remove_untouched(job_dir)
     return Path(agreed), True
+
+
+def _restart_point(cfg: DictConfig, job_dir: Path) -> dict[str, Any] | None:
+    """Where a restarted group goes on (the checkpoint its workers load), for the run's ``hydraddp.resumed_from``:
+    a restart into another world size (an elastic job that lost or gained a node) is recorded as a resume is."""
+    from hydraddp.train.checkpoint import read_meta
+    from hydraddp.train.resume import restart_checkpoint, restart_count
+
+    path = restart_checkpoint(cfg, job_dir)
+    return None if path is None else {"checkpoint": str(path), "step": read_meta(path)["step"], "restart": restart_count()}
 
 
 def started_at(sweeping: bool, job_num: int) -> float:
@@ -115,6 +126,8 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     if verdict.problems:
         return verdict.problems
     combo, job_dir, resumed_from = verdict.combination, verdict.job_dir, verdict.resumed_from
+    if verdict.restarted and resumed_from is None:
+        resumed_from = _restart_point(cfg, job_dir)
     tracks = bool(cfg.tracking.enabled) and leads
     wrap = resolve_wrap(combo)
     mesh = realized_mesh(MeshShape.of(cfg.mesh), wrap, combo.world_size)

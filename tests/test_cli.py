@@ -114,6 +114,20 @@ def test_under_torchrun_it_attaches_with_one_job_directory_and_every_rank_resume
         assert f"resumed from {job / 'checkpoints' / 'step_00000012'} at step 12" in (job / "logs" / f"rank{rank}.log").read_text()
 
 
+def test_under_torchrun_a_worker_that_fails_exits_1_with_its_error_not_as_an_invalid_config(tmp_path):
+    done = run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                        f"--master_port={free_port()}", "-m", "hydraddp", "hydra.run.dir=job", *QUICK,
+                        "task._target_=tests.train.user_task.RaisesAt", "task.step=2"], cwd=tmp_path, timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]  # torchrun passes on its worker's exit code
+    assert "hydraddp: rank 0 failed: RuntimeError: the user's task failed at step 2" in done.stderr
+    assert "invalid configuration" not in done.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
+    assert run.info.status == "FAILED"
+
+
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     """Node 1 starts first: its agent has the lower pid, and torch's rendezvous (which orders nodes by host and pid,
     not by node_rank) gives its worker global rank 0. The launch's roles still follow node 0's job directory, the one

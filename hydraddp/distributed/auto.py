@@ -83,9 +83,13 @@ def auto_model(
     init_device = "meta" if meta_init.replay_of(model) is not None else \
         str(next(model.parameters(), torch.empty(0)).device.type)
     total_numel = sum(p.numel() for p in model.parameters())
+    trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable_numel < total_numel:
+        log.info("auto_model: %d of %d parameters train; the rest are frozen (no gradients, no optimizer state)",
+                 trainable_numel, total_numel)
     model, checkpointed, compiled = parallelize(model, plan)
     model._hydraddp_wrap = WrapRecord(plan.wrap, plan.precision, offload, total_numel, tuple(checkpointed),
-                                       tuple(compiled), init_device, plan.mesh)
+                                       tuple(compiled), init_device, plan.mesh, trainable_numel)
     return model
 
 

@@ -27,6 +27,7 @@ class WrapRecord:
     compiled: tuple[str, ...] = ()  # modules under torch.compile (ROOT: the whole model)
     init_device: str = "cpu"  # where the model was built: "meta" (meta_init: sharded first, then filled) or a device
     mesh: str | None = None  # the data-parallel mesh (mesh.MeshShape.describe): fsdp2 and ddp
+    trainable_numel: int | None = None  # of total_numel, the parameters that require grad (None: all of them)
 
 
 @dataclass
@@ -60,6 +61,10 @@ class WrapReport:
     mesh_coordinate: list[int] | None = None  # this rank's place in the mesh: [replica, shard, TP rank] (fsdp2)
     kept_after_forward: list[str] = field(default_factory=list)  # fsdp2 units left gathered from forward to backward
     notes: list[str] = field(default_factory=list)  # what the wrapping costs for nothing here, in words
+    # Of total_numel, those that train (requires_grad); the rest are frozen (a LoRA model's base): no gradients, no
+    # optimizer state. None: a report from before this was recorded.
+    trainable_numel: int | None = None
+    use_orig_params: bool | None = None  # fsdp: whether FSDP1 kept the original parameters (frozen ones beside others)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,11 +137,13 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     storage = _local(params[0]).dtype if params else torch.float32
     if record is not None:
         spec, offload, total = record.precision, record.offload, record.total_numel
+        trainable = total if record.trainable_numel is None else record.trainable_numel
         if record.wrap == "horovod":
             wrapper = "horovod"
     else:
         spec = precision_spec("bf16-true" if storage == torch.bfloat16 else "fp32")
         offload, total = "none", sum(p.numel() for p in params)  # DTensor.numel() is the global count
+        trainable = sum(p.numel() for p in params if p.requires_grad)
     name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
     return WrapReport(
         wrapper=wrapper,
@@ -162,6 +169,8 @@ def wrap_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         mesh_coordinate=_coordinate(model, record) if wrapper == "fsdp2" else None,
         kept_after_forward=_kept_after_forward(model, wrapped=wrapper == "fsdp2"),
         notes=_notes(wrapper, mesh_shape, record),
+        trainable_numel=trainable,
+        use_orig_params=getattr(model, "_use_orig_params", None) if wrapper == "fsdp" else None,
     )
 
 

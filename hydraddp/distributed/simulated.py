@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,7 +64,8 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
         planning.world = _SimulatedDistModel(
             _Topology(rank % nproc, nproc, max(world_size // nproc, 1), rank // nproc), backend, mesh)
         utils._set_model(planning.world)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, warnings.catch_warnings(), _meshes_unfaked():
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, warnings.catch_warnings(), _meshes_unfaked(), \
+                _fake_modules_convertible(mode):
             # FSDP1 asks a flat parameter for its address once: harmless here, where nothing is read through it.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield mode
@@ -71,6 +73,34 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
         planning.world = None
         utils._set_model(utils._SerialModel())
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fake_modules_convertible(mode: Any) -> Iterator[None]:
+    """``module.to(...)`` on a model of fake tensors: bf16-true's weight cast, and peft's ``get_peft_model``, which
+    moves each adapter to its base layer's device. torch swaps a fake parameter with its converted copy
+    (``swap_tensors``), which refuses a tensor the fake mode's memo holds a weak reference to, so every such call
+    failed ("Couldn't swap Linear.weight"; torch 2.13 still does, see pytorch PRs 184976 and 185595). Those memo
+    entries are keyed by fresh meta tensors, never looked up again: they are dropped before the swap."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    swap, memo = torch.utils.swap_tensors, mode.fake_tensor_converter.tensor_memo
+
+    def swap_unmemoized(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for tensor in (t1, t2):
+            # The keys only: a reference held to the weakref itself would keep it alive through the swap.
+            keys = [ref.key for ref in weakref.getweakrefs(tensor) if isinstance(ref, weakref.KeyedRef)] \
+                if isinstance(tensor, FakeTensor) else []
+            for key in keys:
+                if memo.get(key) is tensor:
+                    del memo[key]
+        swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_unmemoized
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
 
 
 @contextlib.contextmanager

@@ -268,11 +268,17 @@ def _with_post_inits(model: nn.Module, names: dict[int, str],
     pending = sorted(pretrained, key=lambda p: (last[id(p)], sum(1 for _ in p.modules())))
     order: list[tuple[str, Step]] = []
     initialized: set[int] = set()
+    # A module made after a post_init ran never got its _init_weights: peft's adapters, injected into the built model
+    # (that step once drew for them too, and every later module's values were off by those draws).
+    born: dict[int, int] = {}
+    for index, (name, step, _) in enumerate(events):
+        if name is None:  # a registration: step is the module
+            born.setdefault(id(step), index)
 
     def post_init(upto: int) -> None:
         while pending and last[id(pending[0])] <= upto:
             for module, init_owner in _hf_post_order(pending.pop(0)):
-                if id(module) not in initialized:  # once per module, as HF marks them
+                if id(module) not in initialized and born.get(id(module), -1) <= upto:  # once, as HF marks them
                     initialized.add(id(module))
                     order.append((names[id(module)], HFStep(init_owner, type(module))))
 

@@ -80,6 +80,11 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
 
     kwargs = {**plan.wrapper_kwargs, "auto_wrap_policy": plan.units}
     device = plan.device
+    if "use_orig_params" not in kwargs and len({p.requires_grad for p in model.parameters()}) > 1:
+        # FSDP1 flattens a unit into one parameter with one requires_grad: frozen weights beside trainable ones (a
+        # LoRA model's base and adapters, in every attention block) fit in one unit only with the original
+        # parameters kept. The WrapReport says it (use_orig_params).
+        kwargs["use_orig_params"] = True
     # On CPU FSDP1 must be told device_id=cpu, or it looks for an accelerator.
     kwargs.setdefault("device_id", device)
     # Every rank starts from rank 0's weights, whatever each rank's seed or loaded checkpoint. FSDP1 does that

@@ -4,8 +4,8 @@
 combination of backend, wrap, precision and offload against this machine (``config``, applying ``parallel``'s rules,
 which ``auto_model`` applies again in a worker); the tasks a cluster launcher started (``launch``); the checkpoint a
 resume starts from, ``model.pretrained``, the meta-device replay and the TP plan (``model``); the tracking server;
-and another launch's checkpoints in the same root. The launch plan calls it once; ``python -m hydraddp.plan`` asks
-``config_problems``, the same checks without a job directory.
+and another launch's checkpoints in the same root, or another launch writing there now (``claim``). The launch plan
+calls it once; ``python -m hydraddp.plan`` asks ``config_problems``, the same checks without a job directory.
 
 ``cfg`` is completed in place: ``backend=auto`` and ``launcher.nproc_per_node=auto`` decided, a pretrained directory's sizes, and the checkpoint a resume
 (or a preempted job's relaunch) starts from, with the MLflow run it continues.
@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from hydraddp.parallel.combinations import Combination, Problem
 from hydraddp.preflight.config import combination_of, complete, nproc_problems, problems
-from hydraddp.preflight.launch import attached_problems, collision_problems, tracking_problems
+from hydraddp.preflight.launch import attached_problems, checkpoint_root_problems, tracking_problems
 from hydraddp.preflight.model import model_problems, pretrained_problems, resume_after_preemption, resume_problems
 
 
@@ -61,8 +61,8 @@ def check(cfg: DictConfig, job_dir: Path, overrides: list[str], *, leads: bool,
     if found:
         return Verdict(found)
     job_dir, restarted = settle_job_dir(job_dir)
-    if leads and not restarted:  # (a restart goes on in the first attempt's directory: its checkpoints are its own)
-        found = collision_problems(cfg, job_dir, resumed_from)
+    if leads:  # claims checkpoint.dir until the launch ends (cli releases it): a concurrent launch is refused
+        found = checkpoint_root_problems(cfg, job_dir, resumed_from, restarted)
     return Verdict(found, combo, resumed_from, preemptions, job_dir, restarted)
 
 

@@ -1,5 +1,5 @@
 """What the place and the way of a launch can tell: the tasks a cluster launcher started, another launch's
-checkpoints in the same root, and the tracking server."""
+checkpoints in the same root (or another launch writing there now), and the tracking server."""
 
 from __future__ import annotations
 
@@ -10,6 +10,39 @@ from omegaconf import DictConfig
 
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp.parallel.combinations import Problem
+from hydraddp.preflight import claim
+
+
+def checkpoint_root_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None,
+                             restarted: bool) -> list[Problem]:
+    """The leading process claims an explicit ``checkpoint.dir`` for the whole launch (``claim``: released when the
+    launch ends), then looks for another launch's checkpoints there under that claim. (The default root is in the
+    launch's own job directory; a restart goes on in the first attempt's, whose checkpoints are its own.)"""
+    found = claim_problems(cfg, job_dir)
+    if not found and not restarted:
+        found = collision_problems(cfg, job_dir, resumed_from)
+    if found:
+        claim.release()
+    return found
+
+
+def claim_problems(cfg: DictConfig, job_dir: Path) -> list[Problem]:
+    """Refuse a launch into a ``checkpoint.dir`` that another launch, running now, writes: both would pass
+    ``collision_problems`` at their start, then write the same steps, each over the other's."""
+    if not cfg.checkpoint.dir:
+        return []
+    root = Path(cfg.checkpoint.dir)
+    other = claim.claim(root, job_dir)
+    if other is None:
+        return []
+    who = ", ".join(f"{key} {other[key]}" for key in ("job_dir", "host", "pid") if key in other) or "starting now"
+    return [Problem(("checkpoint.dir",),
+                    f"checkpoint.dir={root} is in use by another launch that is running now ({who}): both would "
+                    "write the same steps there, each over the other's, and checkpoint.resume=latest would mix two "
+                    "trainings.",
+                    "Give this launch its own checkpoint.dir (or leave it unset: each launch then checkpoints into "
+                    "its own job directory), or wait until that launch ends and resume from its checkpoints with "
+                    "checkpoint.resume=latest.")]
 
 
 def collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None) -> list[Problem]:

@@ -6,8 +6,11 @@ Importing this module does not import mlflow; ``mlflow_client`` does, when it is
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
+from typing import Iterator
 
 
 def default_uri(cwd: Path | None = None) -> str:
@@ -20,4 +23,29 @@ def mlflow_client(uri: str):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    with _creating_store(uri):
+        return MlflowClient(tracking_uri=uri)
+
+
+@contextlib.contextmanager
+def _creating_store(uri: str) -> Iterator[None]:
+    """MLflow creates and migrates a fresh SQLite store in the client's constructor; two processes doing it at the
+    same moment (node 0's tracker and another node's, at a launch's start) collide ("table _alembic_tmp_experiments
+    already exists") and leave it half-migrated. Every process that opens the file takes turns under a lock beside
+    it: the first creates the store, the others find it made. The kernel releases the lock if its holder dies."""
+    database = sqlite_path(uri)
+    if database is None:
+        yield
+        return
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (relative or absolute); None for any other store."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or len(uri) == len(prefix):
+        return None
+    return Path(uri[len(prefix):].split("?", 1)[0])

@@ -236,8 +236,11 @@ class LaunchRun:
             return
         self._client.update_run(self.run_id, status="RUNNING")
         tags = dict(self.tags)
-        if self.resumed_from is not None:
-            before = self._prior.data.tags
+        before = self._prior.data.tags if self._prior is not None else {}
+        # A restart by torch's agent is recorded only where it changed what the run runs with (an elastic job
+        # that lost a node goes on at a smaller world size); the tag hydraddp.restarts counts them all.
+        changed = any(before.get(k) != tags.get(k) for k in names.CONTRACT_TAGS)
+        if self.resumed_from is not None and ("restart" not in self.resumed_from or changed):
             history = json.loads(before.get(names.TAG_RESUMED_FROM, "[]"))
             history.append({**self.resumed_from, **{k.removeprefix("hydraddp."): before.get(k) for k in names.CONTRACT_TAGS}})
             tags[names.TAG_RESUMED_FROM] = json.dumps(history)[:names.MAX_TAG_LENGTH]

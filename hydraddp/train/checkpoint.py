@@ -161,8 +161,9 @@ def check_shared(root: Path) -> None:
 
 @dataclass
 class PendingSave:
-    """A checkpoint being written in the background (``save(..., background=True)``): its files go into ``tmp``, and
-    ``finish`` renames it to ``final`` once DCP's write is complete (rank 0; the others only wait for their part)."""
+    """A checkpoint being written in the background (``save(..., background=True)``): its files go into ``tmp``,
+    ``publish`` renames it to ``final`` once DCP's write is complete (rank 0; the others only wait for their part),
+    and ``finish``, on every rank at once, raises everywhere what failed anywhere."""
 
     step: int
     tmp: Path
@@ -171,21 +172,51 @@ class PendingSave:
     meta: dict[str, Any]  # meta.json's content, as of the step
     root: Path
     keep_last: int
+    failed: str | None = None  # None: not published yet; "": published (rank 0) or written (the others)
 
     def done(self) -> bool:
         return self.future.done()
 
-    def finish(self) -> Path:
-        """Wait for the write, then (rank 0) publish the checkpoint: ``latest`` never sees it before it is whole."""
+    def publish(self) -> None:
+        """Wait for this rank's write, then (rank 0) publish the checkpoint: ``latest`` never sees it before it is
+        whole. What failed is kept for ``finish``. Not a collective: a rank calls it once its own write is ``done``."""
+        if self.failed is not None:
+            return
         try:
             self.future.result()
         except Exception as exc:
-            raise CheckpointError(f"the checkpoint of step {self.step} could not be written in the background "
-                                  f"({type(exc).__name__}: {exc}); {self.tmp} is left incomplete") from None
-        if idist.get_rank() == 0:
-            _complete(self.tmp, self.final, self.meta, self.root, self.keep_last)
+            self.failed = (f"the checkpoint of step {self.step} could not be written in the background "
+                           f"({type(exc).__name__}: {exc}); {self.tmp} is left incomplete")
+            return
+        self.failed = _attempt(lambda: _complete(self.tmp, self.final, self.meta, self.root, self.keep_last))
+
+    def finish(self) -> Path:
+        """``publish``, then raise what failed on any rank on every rank. A collective: every rank calls it at the
+        same point (the next save, the end of training)."""
+        self.publish()
+        _agree(self.failed)
         log.info("checkpoint %s written (in the background)", self.final)
         return self.final
+
+
+def _attempt(publish: Any) -> str:
+    """Rank 0 publishes (``publish()``); what it raised, as text ("": published, or not rank 0)."""
+    if idist.get_rank() != 0:
+        return ""
+    try:
+        publish()
+    except Exception as exc:
+        return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _agree(failed: str) -> None:
+    """Raise what failed on any rank (``failed``: this rank's, "" for none) on every rank, as one CheckpointError. A
+    collective: rank 0 raising alone would leave the others waiting for it in their next collective."""
+    failures = idist.all_gather(failed) if idist.get_world_size() > 1 else [failed]
+    first = next((text for text in failures if text), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 _background_group: Any = None
@@ -237,9 +268,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     if _distributed() or idist.get_rank() == 0:  # Horovod or one process: every rank holds it all; rank 0 writes
         dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
     _barrier()
-    if idist.get_rank() == 0:
-        _complete(tmp, final, full_meta, Path(root), keep_last)
-    _barrier()
+    _agree(_attempt(lambda: _complete(tmp, final, full_meta, Path(root), keep_last)))  # a barrier too
     log.info("checkpoint %s written", final)
     return final
 

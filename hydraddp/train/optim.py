@@ -21,13 +21,15 @@ def no_decay_names(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
                 yield (f"{module_name}.{name}" if module_name else name), param
 
 
-def parameter_groups(model: nn.Module, no_decay_norm_and_bias: bool) -> list[dict] | Iterator[nn.Parameter]:
-    """``model.parameters()``, or two groups: the rest (the optimizer's weight decay) and biases plus norm weights
-    (weight decay 0). Works on the wrapped model: DDP, FSDP2's DTensors, and FSDP1 with ``use_orig_params=True``
-    (``build.wrap_kwargs`` sets it), whose original parameters stay visible on their modules."""
-    if not no_decay_norm_and_bias:
-        return model.parameters()
-    exempt = {id(param) for _, param in no_decay_names(model)}
+def parameter_groups(model: nn.Module, no_decay_norm_and_bias: bool) -> list[dict] | list[nn.Parameter]:
+    """The parameters that train (``requires_grad``), or two groups of them: the rest (the optimizer's weight decay)
+    and biases plus norm weights (weight decay 0). Works on the wrapped model: DDP, FSDP2's DTensors, and FSDP1
+    with ``use_orig_params=True`` (``build.wrap_kwargs`` sets it), whose original parameters stay on their modules."""
+    # Only what trains: a frozen parameter (a LoRA model's base) never gets a gradient, so an optimizer has nothing
+    # to do with it.
     params = [p for p in model.parameters() if p.requires_grad]
+    if not no_decay_norm_and_bias:
+        return params
+    exempt = {id(param) for _, param in no_decay_names(model)}
     return [{"params": [p for p in params if id(p) not in exempt]},
             {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]

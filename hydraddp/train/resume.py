@@ -23,15 +23,26 @@ def checkpoint_root(cfg: DictConfig, job_dir: Path | None) -> Path | None:
     return Path(job_dir, "checkpoints") if job_dir is not None else None
 
 
+def restart_count() -> int:
+    """How many times torch's elastic agent restarted this launch's group (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restart_checkpoint(cfg: DictConfig, job_dir: Path | None) -> Path | None:
+    """After an elastic restart: this launch's own latest checkpoint, not another launch's in a shared
+    ``checkpoint.dir``. The workers load it; the leading process records it in the run's history."""
+    root = checkpoint_root(cfg, job_dir)
+    own = checkpoint.complete_checkpoints(root, launch=str(job_dir)) if restart_count() and root is not None else []
+    return own[-1] if own else None
+
+
 def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, scaler) -> checkpoint.Resumed | None:
     """Load the checkpoint to continue from: ``checkpoint.resume``, or after an elastic restart the latest one."""
     path = cfg.checkpoint.resume
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    root = checkpoint_root(cfg, job_dir)
-    own = checkpoint.complete_checkpoints(root, launch=str(job_dir)) if restart and root is not None else []
-    if own:
-        path = str(own[-1])  # this launch's own latest, not another launch's in a shared checkpoint.dir
-        log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart)
+    restarted_from = restart_checkpoint(cfg, job_dir)
+    if restarted_from is not None:
+        path = str(restarted_from)
+        log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart_count())
     if not path:
         return None
     resumed = checkpoint.load(Path(path), model, optimizer)
@@ -67,7 +78,9 @@ class Saver:
         """Checkpoint ``step`` if it is due; ``batch`` (the step's) gives a LoggedModel of it its input example.
         A periodic checkpoint is written in the background (``checkpoint.async_save``); the last one at once."""
         if self.pending is not None and self.pending.done():
-            self.wait()  # published as soon as it is whole: a preemption or a crash later keeps it
+            # Published as soon as it is whole: a preemption or a crash later keeps it. Each rank sees its own write
+            # done at its own step, so no collective here: what failed is raised on every rank at the next ``wait``.
+            self.pending.publish()
         every, ckpt, tracking = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint, self.cfg.tracking
         periodic = every and step % every == 0
         final = step == last_step and (ckpt.save_last or step == self.cfg.trainer.stop_at_step)
@@ -79,8 +92,8 @@ class Saver:
             logged_model.record_model(self.cfg, self.model, batch, step, self.events, self.job_dir, self)
 
     def wait(self) -> None:
-        """Finish the checkpoint being written in the background, if any (rank 0 publishes it). Every rank calls it
-        before the next checkpoint and at the end; a rank between two does so when the write is done."""
+        """Finish the checkpoint being written in the background, if any (rank 0 publishes it; what failed on any
+        rank raises on every rank). A collective: every rank calls it before the next checkpoint and at the end."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self.last_saved = (pending.step, pending.finish())

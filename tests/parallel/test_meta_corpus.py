@@ -91,7 +91,7 @@ class ZeroHead(nn.Module):
 
 
 class LoRALinear(nn.Module):
-    """peft's LoRA in small (peft is not installed here): a frozen base, A as kaiming_uniform_, B zero."""
+    """peft's LoRA in small (peft's own: peft_lora_llama): a frozen base, A as kaiming_uniform_, B zero."""
 
     def __init__(self, features: int, rank: int = 4, zero_through_data: bool = True):
         super().__init__()
@@ -173,11 +173,19 @@ class CausalMask(nn.Module):
         self.register_buffer("causal", torch.tril(torch.ones(4, 4)).bool())
 
 
+def peft_lora_llama() -> nn.Module:
+    """peft's own LoRA, injected into a built Llama (after its post_init): the adapters never got its _init_weights."""
+    from tests.helpers.lora import tiny_lora_llama
+
+    return tiny_lora_llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+
+
 CORPUS: dict[str, Callable[[], nn.Module]] = {
     "gpt": gpt, "mlp": mlp,
     "hf_llama": hf("llama"), "hf_gpt2": hf("gpt2"), "hf_mistral": hf("mistral"), "hf_qwen2": hf("qwen2"),
     "resnet_like": ResNetLike, "zero_head": ZeroHead,
     "lora_data_zero": LoRA, "lora_init_zeros": lambda: LoRA(zero_through_data=False),
+    "peft_lora_llama": peft_lora_llama,
     "normal_reinit": NormalReinit, "trunc_normal_reinit": TruncNormalReinit, "own_norm": OwnNorm,
     "flag_buffers": FlagBuffers, "causal_mask": CausalMask,
 }

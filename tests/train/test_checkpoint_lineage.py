@@ -1,17 +1,21 @@
 """Checkpoints name the launch that wrote them: a step the same launch writes again is replaced, another launch's is
-never written over (refused before the launch starts), and a restart resumes its own launch's latest checkpoint,
-not the newest in a shared ``checkpoint.dir``. The in-process checks use DCP's single-process save and load."""
+never written over (refused before the launch starts, also while that launch is still running), and a restart
+resumes its own launch's latest checkpoint, not the newest in a shared ``checkpoint.dir``. The in-process checks use
+DCP's single-process save and load; a publish refused on rank 0 is checked in a reused 2-rank gloo group."""
 
 import json
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+import hydraddp.distributed as idist
 from hydraddp.train import checkpoint, resume
-from tests.helpers.spawn import NO_PLAN, UNTRACKED, job_dirs, run_cli
+from tests.helpers.spawn import NO_PLAN, UNTRACKED, job_dirs, run_cli, run_together
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 
@@ -89,3 +93,66 @@ def test_a_launch_that_would_write_over_another_launchs_checkpoints_exits_2_and_
     rewritten = json.loads((root / "step_00000012" / "meta.json").read_text())
     assert rewritten["config"]["optim"]["optimizer"]["lr"] == 0.01 != written["config"]["optim"]["optimizer"]["lr"]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000012"]
+
+
+def publish_over_another_launch(local_rank: int, root: str, background: bool) -> tuple[str, int]:
+    """A pool body: save step 5 where another launch's step 5 appeared meanwhile (rank 0's rename refuses it). What
+    this rank raised, and an all-reduce after it: the ranks are still in step."""
+    from tests.distributed.workers import mlp
+
+    model = idist.auto_model(mlp(), wrap="fsdp2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    if idist.get_rank() == 0:
+        other = checkpoint.step_dir(Path(root), 5)
+        other.mkdir(parents=True)
+        (other / checkpoint.META).write_text(json.dumps({"job_dir": "/jobs/other", "step": 5}))
+    idist.barrier()
+    try:
+        saved = checkpoint.save(Path(root), 5, model, optimizer, {"job_dir": "/jobs/mine"}, background=background)
+        if isinstance(saved, checkpoint.PendingSave):
+            if idist.get_rank() == 0:
+                saved.publish()  # as training does once rank 0's own write is done, alone: no collective, no raise
+            saved.finish()
+        raised = ""
+    except checkpoint.CheckpointError as exc:
+        raised = str(exc)
+    return raised, idist.all_reduce(1)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["at_once", "in_the_background"])
+def test_a_publish_refused_on_rank_0_fails_the_save_on_every_rank(pools, tmp_path, background):
+    # Once rank 0 alone raised: at once, the other rank waited in the barrier after the rename for ever; in the
+    # background, it went on training as if the checkpoint were written. Rank 0's early publish (training goes on,
+    # ranks see their writes done at different steps) raises nothing until every rank finishes together.
+    out = pools.run("tests.train.test_checkpoint_lineage:publish_over_another_launch", str(tmp_path), background,
+                    timeout=60)
+    for rank in (0, 1):
+        raised, ranks = out[rank]
+        assert "written by another launch (/jobs/other)" in raised and ranks == 2, (rank, out)
+    assert checkpoint.written_by(tmp_path / "step_00000005") == "/jobs/other"
+
+
+@pytest.mark.slow
+def test_two_launches_into_one_checkpoint_dir_at_once_keep_one_intact_and_refuse_the_other(tmp_path):
+    """Both once passed the check of the folder at their start, then wrote the same steps: one died at a rename
+    ("exists, written by another launch"), its own checkpoints gone. Now the first to claim the folder trains;
+    the other exits 2 before any worker starts."""
+    shared = tmp_path / "shared"
+    quick = ["trainer.max_steps=10", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=5",
+             f"checkpoint.dir={shared}", NO_PLAN, UNTRACKED]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    launched = run_together([([sys.executable, "-m", "hydraddp", *quick], tmp_path / name) for name in ("a", "b")],
+                            timeout=240)
+    assert sorted(done.returncode for done in launched) == [0, 2], [done.stderr[-3000:] for done in launched]
+    won, refused = sorted(zip(launched, "ab"), key=lambda pair: pair[0].returncode)
+    [job] = job_dirs(tmp_path / won[1])
+    assert f"checkpoint.dir={shared} is in use by another launch that is running now (job_dir {job}" in refused[0].stderr
+    assert "Give this launch its own checkpoint.dir" in refused[0].stderr and "Traceback" not in refused[0].stderr
+    assert job_dirs(tmp_path / refused[1]) == []  # nothing trained, nothing half-written
+    # The winner's checkpoints are whole and its own; the claim went with the launch.
+    assert sorted(p.name for p in shared.iterdir()) == ["step_00000005", "step_00000010"]
+    for path in checkpoint.complete_checkpoints(shared):
+        assert checkpoint.written_by(path) == str(job) and checkpoint.check_readable(path)

@@ -42,3 +42,11 @@ def noisy_digits(noise: float = 0.5) -> tuple[Dataset, Dataset]:
 def digit_stream() -> tuple[IterableDataset, Dataset]:
     train, evaluation = digits()
     return Stream(train), evaluation
+
+
+def token_stream(**kwargs) -> tuple[IterableDataset, Dataset]:
+    """``hydraddp.data.text.token_dicts`` (same arguments) with its training set as a stream."""
+    from hydraddp.data.text import token_dicts
+
+    train, evaluation = token_dicts(**kwargs)
+    return Stream(train), evaluation

@@ -76,3 +76,32 @@ def count_eager_blocks() -> None:
 
     counted.counts_eager = True
     GPTBlock.forward = counted
+
+
+class Paced(TopTwo):
+    """Classification that takes at least ``step_s`` seconds a step, so that a test can act mid-run (kill a node)
+    on a machine where the real step takes a millisecond."""
+
+    def __init__(self, step_s: float = 0.05):
+        super().__init__()
+        self.step_s = step_s
+
+    def loss(self, model, batch):
+        import time
+
+        time.sleep(self.step_s)
+        return super().loss(model, batch)
+
+
+class RaisesAt(TopTwo):
+    """Classification whose step ``step`` raises: a worker failing mid-run."""
+
+    def __init__(self, step: int = 2):
+        super().__init__()
+        self.step, self.calls = step, 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        if self.calls == self.step:
+            raise RuntimeError(f"the user's task failed at step {self.step}")
+        return super().loss(model, batch)

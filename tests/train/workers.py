@@ -339,3 +339,79 @@ def compile_counts(local_rank: int, cases: dict[str, list[str]]) -> dict:
         train(compose([*overrides, "task._target_=tests.train.user_task.CountingCompiles"]))
         out[name] = {"seen": list(user_task.CountingCompiles.seen), "breaks": dict(counters["graph_break"])}
     return out
+
+
+def lora_steps(local_rank: int, cases: dict[str, list[str]], steps: int = 3) -> dict:
+    """For each composed config (name -> overrides) of the peft LoRA Llama (tests/helpers/lora.py): ``steps`` training
+    steps as the loop takes them, then the losses, the parameters that train, the base weights that changed and the
+    adapters that did not (against the whole build under the same seed), and the WrapReport."""
+    import math
+
+    from hydraddp.build import build_model, data_mesh
+    from hydraddp.config.compose import compose
+    from hydraddp.config.instantiate import instantiate
+    from hydraddp.train import data, tasks
+    from hydraddp.train.optim import parameter_groups
+    from hydraddp.train.step import train_step
+    from tests.distributed.workers import full_params
+    from tests.helpers.lora import is_adapter, tiny_lora_llama
+
+    out = {}
+    for name, overrides in cases.items():
+        cfg = compose(["model._target_=tests.helpers.lora.tiny_lora_llama", "data=tokens", "task=causal_lm",
+                       "data.seq_len=16", "data.batch_size=8", "data.dataset.num_chars=4000", *overrides])
+        torch.manual_seed(cfg.trainer.seed)
+        start = {k.removeprefix("base_model.model."): v.detach().clone()
+                 for k, v in tiny_lora_llama().state_dict().items()}
+        model, _ = build_model(cfg)
+        optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(
+            parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
+        task = instantiate(cfg.task, "task")
+        batches = iter(data.train_loader(instantiate(cfg.data.dataset, "data.dataset")[0], cfg.data.batch_size, 0,
+                                         cfg.trainer.seed, data_mesh(cfg)))
+        losses = [float(train_step(model, task, tasks.to_device(next(batches), idist.device()), optimizer, None,
+                                   cfg.trainer.grad_clip, False, 1)) for _ in range(steps)]
+        report = idist.wrap_report(model, optimizer)
+        end = {k.removeprefix("base_model.model."): v for k, v in full_params(model).items()}
+        stored = next(p for p in model.parameters()).dtype  # bf16-true: the start is compared in the weights' dtype
+        same = {k: torch.equal(end[k].to(stored), start[k].to(stored)) for k in start if k in end}
+        optimized = [p for group in optimizer.param_groups for p in group["params"]]
+        out[name] = {"losses": losses, "finite": all(math.isfinite(x) for x in losses),
+                     "base_changed": sorted(k for k, s in same.items() if not s and not is_adapter(k)),
+                     "adapters_unchanged": sorted(k for k, s in same.items() if s and is_adapter(k)),
+                     "adapters": sorted(k for k in same if is_adapter(k)),
+                     "optimized_all_trainable": all(p.requires_grad for p in optimized),
+                     "optimized": len(optimized), "trainable": sum(p.requires_grad for p in model.parameters()),
+                     "report": report.to_dict()}
+    return out
+
+
+def matrix_rows(local_rank: int, launches: list[tuple[str, dict, str, dict]]) -> dict:
+    """``train()`` of each planned launch (name, resolved config, job directory, saved config) as a launch's worker
+    runs it, rank 0 writing the run's events: its losses, or the refusal (``ConfigurationError``: exit 2 in a launch)
+    or the failure, so that one row's failure does not hide the others'."""
+    import math
+    import traceback
+
+    from omegaconf import OmegaConf
+
+    from hydraddp.distributed import ConfigurationError
+    from hydraddp.tracking.events import EventWriter
+    from hydraddp.train.loop import train
+
+    out = {}
+    for name, config, job_dir, saved_config in launches:
+        events = EventWriter(Path(job_dir) / "events.jsonl") if local_rank == 0 else None
+        try:
+            result = train(OmegaConf.create(config), Path(job_dir), events, saved_config)
+            out[name] = {"status": "preempted" if result.preempted else "finished", "losses": result.losses,
+                         "final_loss": result.final_loss, "finite": all(map(math.isfinite, result.losses.values())),
+                         "steps": result.steps}
+        except ConfigurationError as exc:
+            out[name] = {"status": "refused", "error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - reported per row
+            out[name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        finally:
+            if events is not None:
+                events.close()
+    return out

@@ -1,0 +1,42 @@
+"""A fresh SQLite store that several processes open at once (node 0's tracker and the other nodes', at a launch's
+start) is created once: every process gets a working client, and the store is whole afterwards."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+OPENERS = 4
+
+
+def _open_and_log(uri: str, start, results) -> None:
+    from hydraddp.tracking.client import mlflow_client
+
+    start.wait()
+    try:
+        client = mlflow_client(uri)
+        experiment = client.get_experiment_by_name("hydraddp")
+        experiment_id = experiment.experiment_id if experiment else None
+        results.put(("ok", experiment_id))
+    except Exception as exc:  # noqa: BLE001 - the test reports what failed in which process
+        results.put(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def test_processes_opening_a_fresh_sqlite_store_together_all_get_a_whole_store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Event(), context.Queue()
+    openers = [context.Process(target=_open_and_log, args=(uri, start, results)) for _ in range(OPENERS)]
+    for process in openers:
+        process.start()
+    start.set()  # all at the same moment, as the nodes of one launch do
+    outcomes = [results.get(timeout=120) for _ in openers]
+    for process in openers:
+        process.join(timeout=60)
+    assert [status for status, _ in outcomes] == ["ok"] * OPENERS, outcomes
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)  # a later client finds the store whole
+    run = client.create_run(client.create_experiment("after")).info
+    client.log_metric(run.run_id, "loss", 1.0, step=1)
+    assert client.get_metric_history(run.run_id, "loss")[0].value == 1.0
