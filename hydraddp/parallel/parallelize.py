@@ -53,10 +53,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[s
                                 torch.distributed.group.WORLD, plan.device)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, resolve_tp_plan(model, plan.tp_plan))
-    checkpointed = apply_ac(model, plan.blocks) if plan.activation_checkpointing else []
+    # FSDP1: inside its units, after wrapping (torch's order): a checkpoint wrapper around a unit hides the unit's
+    # flat parameter from DCP's names, and a resume found no optimizer state for it.
+    checkpoint_inside_units = plan.wrap == "fsdp"
+    checkpointed = apply_ac(model, plan.blocks) if plan.activation_checkpointing and not checkpoint_inside_units else []
     compiled = apply_compile(model, plan.blocks if plan.wrap == "fsdp2" else ()) if plan.compile else []
     model = apply_fsdp2(model, plan, dp_mesh) if plan.wrap == "fsdp2" else WRAPPERS[plan.wrap](model, plan)
     materialize(model, plan)
+    if plan.activation_checkpointing and checkpoint_inside_units:
+        checkpointed = [name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
+                        for name in apply_ac(model, plan.blocks)]
     remember_replaced(before, model)
     return model, checkpointed, compiled
 

@@ -205,10 +205,18 @@ class CompiledForward:
 
 def compile_blocks(model: nn.Module, classes: Iterable[type | str]) -> list[str]:
     """``compile_module`` on every block (``classes``), the outermost match only. Returns the blocks' names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     classes = tuple(classes)
     names: list[str] = []
     for name, module in model.named_modules():
-        if module is model or not _matches(module, classes) or any(name.startswith(f"{n}.") for n in names):
+        if module is model or any(name.startswith(f"{n}.") for n in names):
+            continue
+        # A checkpointed block is compiled with its checkpoint around it (torchtitan's order), so that Dynamo traces
+        # the recomputation with the block. A compiled block inside an eager checkpoint failed its backward
+        # ("Recomputed values ... have different metadata": the recomputation saved other tensors than the forward).
+        block = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+        if not _matches(block, classes):
             continue
         compile_module(module)
         names.append(name)

@@ -82,14 +82,6 @@ def covering_array(factors: dict[str, tuple[str, ...]]) -> list[dict[str, str]]:
     return rows
 
 
-# Defects this matrix found and that are not fixed yet (issue 42's notes): a row holding them must fail with exactly
-# this error, so that a fix shows here (then the entry goes). Their rows' other pairs are not proven meanwhile.
-KNOWN_DEFECTS = [
-    (lambda row: row["wrap"] == "fsdp" and row["checkpointing"] == "on" and row["stop_resume"] == "on",
-     "Missing optimizer state for parameter 'model.layers.0._fsdp_wrapped_module._flat_param' in checkpoint"),
-    (lambda row: row["wrap"] in ("fsdp2", "hsdp") and row["checkpointing"] == "on" and row["compile"] == "on",
-     "torch.utils.checkpoint: Recomputed values for the following tensors have different metadata"),
-]
 PAIRWISE = covering_array(FACTORS)
 ROWS = PAIRWISE + [{**{name: values[0] for name, values in FACTORS.items()}, **values} for values, _ in REFUSED]
 EXPECTED_REFUSAL = {len(PAIRWISE) + i: rule for i, (_, rule) in enumerate(REFUSED)}
@@ -215,10 +207,6 @@ def test_every_pair_of_options_trains_with_every_default_on_or_is_refused_by_a_s
             continue
         assert name not in refused, (name, row, refused[name])
         last = outcomes.get(name + "-resumed", outcomes[name])
-        known = [error for matches, error in KNOWN_DEFECTS if matches(row)]
-        if known:
-            assert last["status"] == "failed" and known[0] in last["error"], ("fixed? drop it from KNOWN_DEFECTS", row)
-            continue
         assert last["status"] == "finished" and last["finite"], (name, row, last.get("error", last))
         assert last["run"][1] == "FINISHED", (name, last["run"])
         if row["stop_resume"] == "on":
@@ -240,7 +228,8 @@ def _table(names: list[str], outcomes: dict, refused: dict) -> str:
             outcome = f"refused: {refused[name]}"
         else:
             last = outcomes.get(name + "-resumed", outcomes[name])
-            outcome = f"{last['status']} {last['run'][1]}" + (
-                f", loss {last['final_loss']:.4f}" if last.get("final_loss") is not None else f": {last.get('error', '')[:200]}")
+            first_line = (last.get("error") or "").split("\n", 1)[0][:200]
+            result = f", loss {last['final_loss']:.4f}" if last.get("final_loss") is not None else f": {first_line}"
+            outcome = f"{last['status']} {last['run'][1]}{result}"
         lines.append(" | ".join([name, *(row[c] for c in columns), outcome]))
     return "\n".join(lines)
