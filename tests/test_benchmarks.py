@@ -75,3 +75,26 @@ def test_the_check_command_answers_for_this_checkout(capsys):
     out = capsys.readouterr().out
     assert returncode == (0 if commit and not changed else 1), out
     assert ("is current" if returncode == 0 else "Run benchmarks/run.py") in out
+
+
+def test_the_gpu_report_gives_each_ratio_and_each_variant_with_its_mfu():
+    """``benchmarks/gpu_bench.py`` runs only on a GPU machine; its report is checked here on made-up measurements
+    (it once imported a name the MFU table no longer had, and the GPU run failed only there)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_bench
+    from benchmarks.run import Measurement
+
+    def runs(samples_per_s: float) -> list:
+        return [Measurement(1.0, 2.0, samples_per_s, [2**30], [0], 1.0)]
+
+    results = {f"{side}-{wrap}": runs(100.0 if side == "plain" else 99.0)
+               for wrap in ("ddp", "fsdp2") for side in ("hydraddp", "plain")}
+    compiled = {name.name: runs(120.0 if "compiled" in name.name else 100.0) for name in gpu_bench.compile_variants(1)}
+    text = gpu_bench.report(results, compiled, 989.4e12, 1, "Commit abc; NVIDIA H200 x 1")
+    assert "| samples/s, ddp bf16 gpt808m: compiled / eager | > 1 | 1.200 |" in text
+    assert "| samples/s (= tokens/s), fsdp2 bf16: hydraddp / plain | >= 0.99 | 0.990 |" in text
+    from hydraddp.models.gpt import GPT
+
+    tokens = 120.0 * gpu_bench.BIG_SHAPE["seq_len"]
+    mfu = gpu_bench.flops_per_token(GPT, gpu_bench.BIG_SHAPE) * tokens / 989.4e12
+    assert f"| hydraddp-ddp-gpt808m-compiled | 120.0 | {tokens:,.0f} | {mfu:.1%} | 1.0 |" in text

@@ -114,7 +114,9 @@ def render(est: Estimate, model: str) -> str:
     lines += ["", f"memory of rank {est.rank} (peak over a training step; tensors only)"]
     parts = [("parameters", est.param_bytes), ("gradients", est.grad_bytes), ("optimizer state", est.optim_state_bytes),
              ("largest units gathered at once", est.unsharded_unit_bytes), ("activations at the peak", est.activation_bytes),
-             ("other tensors at the peak", est.temporary_bytes), ("peak", est.peak_bytes)]
+             ("other tensors at the peak", est.temporary_bytes),
+             *([("cuBLAS workspaces (CUDA)", est.cuda_workspace_bytes)] if est.cuda_workspace_bytes else []),
+             ("peak", est.peak_bytes)]
     lines += [f"  {name:<32}{size(value):>12}" for name, value in parts]
     lines += [f"  unsure: {reason}" for reason in est.unsure]
     lines += [f"  note: {note}" for note in est.notes]

@@ -50,7 +50,7 @@ class Estimate:
     unsharded_unit_bytes: int  # the largest units gathered at once, in the compute dtype (prefetch: two in flight)
     activation_bytes: int  # saved for backward, at the peak
     temporary_bytes: int  # everything else alive at the peak: gathered units, casts, gradients being reduced
-    peak_bytes: int  # the peak of all tensor memory over a training step
+    peak_bytes: int  # the peak of all tensor memory over a training step (on CUDA, its workspaces included)
     batch_per_rank: int
     seconds: float  # how long the estimate took
     unsure: list[str] = field(default_factory=list)  # why the peak may be off (empty: it should hold to 10%)
@@ -64,6 +64,8 @@ class Estimate:
     pretrained_read_bytes: int | None = None
     mesh: str | None = None  # fsdp2's mesh, dp_replicate x dp_shard x tp (``2x2x1``)
     notes: list[str] = field(default_factory=list)  # the WrapReport's: what the wrapping costs for nothing here
+    # On CUDA: cuBLAS's workspaces, allocated beside the tensors and counted in the peak (hydraddp.plan.cuda)
+    cuda_workspace_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,6 +143,8 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     spec = precision_spec(cfg.precision.name)
     units, unsharded = _units(cfg, run, spec)
     unsure, margin = _unsure(cfg, run.wrap, units, spec, compiled)
+    workspaces, more_margin, why = _cuda_workspaces(cfg.backend.name)
+    unsure, margin = unsure + ([why] if why else []), margin + more_margin
     report, peak, built = run.report, run.peak, run.build
     pretrained = cfg.model.get("pretrained")
     return Estimate(
@@ -150,10 +154,17 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         units=units, param_bytes=report.param_bytes, grad_bytes=report.grad_bytes,
         optim_state_bytes=report.optim_state_bytes, unsharded_unit_bytes=unsharded,
         activation_bytes=peak.parts.get("activations", 0), temporary_bytes=peak.parts.get("temporary", 0),
-        peak_bytes=peak.peak_bytes, batch_per_rank=run.batch_per_rank, seconds=time.perf_counter() - started,
-        unsure=unsure, peak_margin_bytes=margin,
+        peak_bytes=peak.peak_bytes + workspaces, batch_per_rank=run.batch_per_rank,
+        seconds=time.perf_counter() - started, unsure=unsure, peak_margin_bytes=margin, cuda_workspace_bytes=workspaces,
         mesh=MeshShape.of(cfg.mesh).resolved(world_size).label() if run.wrap == "fsdp2" else None,
         notes=list(report.notes))
+
+
+def _cuda_workspaces(backend: str) -> tuple[int, int, str | None]:
+    """cuBLAS's workspaces on the run's GPU (none off CUDA), the margin when that GPU's model is unknown, and why."""
+    from hydraddp.plan import cuda
+
+    return cuda.planned_workspaces(cuda.gpu_names()) if cuda.runs_on_cuda(backend) else (0, 0, None)
 
 
 class _Simulated(NamedTuple):
