@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import workload  # noqa: E402
-from run import PYTHON, Figure, Variant, machine, measure, run_rounds, table  # noqa: E402
+from run import PYTHON, Figure, Variant, machine, run_rounds, table  # noqa: E402
 
 STEPS = 60
 

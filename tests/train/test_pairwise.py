@@ -10,7 +10,6 @@ tracker's own ``LaunchRun`` from the events rank 0 wrote. The launches themselve
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
@@ -31,9 +30,9 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "stop_resume": ("off", "on"),
     "offload": ("none",),  # cpu: the refused rows below
 }
-# Pairs no row holds, each for a reason outside the rules under test: DDP has no offload; FSDP1 is never compiled
-# (README: Dynamo does not trace its flat parameters; the rules refuse it); a LoRA model is the user's own, which
-# model.pretrained (a Hugging Face directory for model=hf_causal_lm) does not load into.
+# Pairs no generated row holds: FSDP1 is never compiled (README: Dynamo does not trace its flat parameters; the rules
+# refuse it); a LoRA model is the user's own, which model.pretrained (a Hugging Face directory for model=hf_causal_lm)
+# does not load into; TP with LoRA is refused whatever else the row holds, in a row of its own (REFUSED).
 EXCLUDED = {(("wrap", "fsdp"), ("compile", "on")), (("frozen", "lora"), ("pretrained", "hf")),
             (("wrap", "tp"), ("frozen", "lora"))}
 # Values that a README rule refuses whatever else the row holds, so that a row holding them would cover no other
