@@ -43,7 +43,8 @@ _WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_m
 _UNSET = "is not set by any reset_parameters() or Hugging Face _init_weights"
 
 
-def _unwrapped(name: str) -> str:
+def unwrapped_name(name: str) -> str:
+    """A module's name without the wrappers' own levels (FSDP1's, a checkpoint's, compile's)."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
@@ -58,9 +59,9 @@ class InitReplay:
     def bind(self, model: nn.Module) -> None:
         """Name ``model``'s live modules: after replacing modules (SyncBatchNorm conversion), before wrapping.
         Also attaches the replay to ``model`` (``replay_of``)."""
-        self.names = {id(m): _unwrapped(n) for n, m in model.named_modules()}
+        self.names = {id(m): unwrapped_name(n) for n, m in model.named_modules()}
         for module_name, module in model.named_modules():
-            name = _unwrapped(module_name)
+            name = unwrapped_name(module_name)
             if name in self.records:
                 _check_live(name, module, self.records[name], own_tensors(module))
             else:  # refused now, while its tensors are still meta (after sharding they are storage of no value)
@@ -86,7 +87,7 @@ class InitReplay:
     def materialize(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
         """Every module of ``model`` not materialized yet (one swapped in under a recorded name too)."""
         for module_name, module in model.named_modules():
-            self.names.setdefault(id(module), _unwrapped(module_name))
+            self.names.setdefault(id(module), unwrapped_name(module_name))
             self.materialize_module(module, device)
 
 

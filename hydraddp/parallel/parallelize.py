@@ -61,8 +61,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[s
     model = apply_fsdp2(model, plan, dp_mesh) if plan.wrap == "fsdp2" else WRAPPERS[plan.wrap](model, plan)
     materialize(model, plan)
     if plan.activation_checkpointing and checkpoint_inside_units:
-        checkpointed = [name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
-                        for name in apply_ac(model, plan.blocks)]
+        checkpointed = [meta_init.unwrapped_name(name) for name in apply_ac(model, plan.blocks)]
     remember_replaced(before, model)
     return model, checkpointed, compiled
 

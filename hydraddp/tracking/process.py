@@ -135,6 +135,19 @@ class Planner:
                 self._proc.kill()
 
 
+def launch_run_of(settings: dict[str, Any]) -> LaunchRun:
+    """The ``LaunchRun`` of the launcher's settings (``TrackerProcess.settings``, less ``plan_world_size``), completed
+    as only the tracker can: the run a restarted group adopts, and the source's tags."""
+    settings = dict(settings)
+    run_id_file = Path(settings["job_dir"], names.RUN_ID_FILE)
+    if settings.pop("adopt_run", False) and run_id_file.exists():
+        # A restarted group continues the run of the first attempt, known for sure only now that its tracker is done.
+        settings["run_id"] = run_id_file.read_text().strip()
+    # Found here, not in the launcher: git takes tens of milliseconds that the ranks' start-up need not wait for.
+    settings["tags"] = {**source_tags(Path.cwd(), settings.pop("entry_point", "python -m hydraddp")), **settings["tags"]}
+    return LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
+
+
 def main() -> int:
     import fcntl
 
@@ -152,17 +165,12 @@ def main() -> int:
     # be flushing the same events file; this one waits for it (the kernel drops the lock when it exits).
     lock = open(Path(settings["job_dir"]) / "tracker.lock", "w")  # noqa: SIM115 - held until this process ends
     fcntl.flock(lock, fcntl.LOCK_EX)
-    run_id_file = Path(settings["job_dir"], names.RUN_ID_FILE)
-    if settings.pop("adopt_run", False) and run_id_file.exists():
-        # A restarted group continues the run of the first attempt, known for sure only now that its tracker is done.
-        settings["run_id"] = run_id_file.read_text().strip()
     plan_world = settings.pop("plan_world_size", None)
-    # Found here, not in the launcher: git takes tens of milliseconds that the ranks' start-up need not wait for.
-    settings["tags"] = {**source_tags(Path.cwd(), settings.pop("entry_point", "python -m hydraddp")), **settings["tags"]}
-    run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
+    run = launch_run_of(settings)
+    continued = run.run_id is not None  # before start(), which creates the run when there is none
     run.start()
     system = settings["config"].get("tracking", {}).get("system_metrics", {"enabled": False})
-    node_metrics = NodeSystemMetrics(run.uri, 0, system["interval_s"], continued=settings["run_id"] is not None) \
+    node_metrics = NodeSystemMetrics(run.uri, 0, system["interval_s"], continued=continued) \
         if system["enabled"] else None
     if node_metrics is not None:
         threading.Thread(target=lambda: (run.wait_created(), node_metrics.start(run.run_id)),

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from hydraddp.tracking import names
-from hydraddp.tracking.client import mlflow_client
+from hydraddp.tracking.client import mlflow_client, sqlite_path
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 from hydraddp.tracking.node import upload_node_logs
 from hydraddp.tracking.per_rank import PerRankTable
@@ -55,7 +55,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
             reason = getattr(exc, "reason", exc)
             return f"the MLflow server at {uri} cannot be reached ({reason})"
         return _api_refusal(base, timeout_s)
-    path = uri.removeprefix("sqlite:///").removeprefix("file://") if uri.startswith(("sqlite:///", "file://")) else None
+    path = sqlite_path(uri) or (uri.removeprefix("file://") if uri.startswith("file://") else None)
     if path is not None:
         folder = Path(path).parent if uri.startswith("sqlite:") else Path(path)
         while not folder.exists():

@@ -148,15 +148,13 @@ class Launches:
         return outcomes
 
     def _track(self, plan, status: str) -> tuple[str, str]:
-        from hydraddp.tracking.run import FAILED, FINISHED, KILLED, LaunchRun
+        from hydraddp.tracking.process import launch_run_of
+        from hydraddp.tracking.run import FAILED, FINISHED, KILLED
         from hydraddp.tracking.setup import launch_run
 
         settings = dict(launch_run(plan).settings)  # the tracker process's own arguments
-        for key in ("plan_world_size", "entry_point"):
-            settings.pop(key, None)
-        if settings.pop("adopt_run", False):
-            settings["run_id"] = (plan.job_dir / "mlflow_run_id").read_text().strip()
-        run = LaunchRun(**{**settings, "job_dir": Path(settings["job_dir"])})
+        settings.pop("plan_world_size", None)  # the plan is recorded by the tracker's planner, left out here
+        run = launch_run_of(settings)
         run.start()
         run.finish({"finished": FINISHED, "preempted": KILLED}.get(status, FAILED))
         from mlflow.tracking import MlflowClient
