@@ -114,6 +114,11 @@ class SweepSummary(Callback):
                 raise LaunchEnded(EXIT_INVALID)
         if not config.tracking.enabled or _single_job():
             return
+        import json
+
+        from hydraddp.tracking.names import SWEPT_KEYS_ENV, swept_keys
+
+        os.environ[SWEPT_KEYS_ENV] = json.dumps(swept_keys(config.hydra.overrides.task))  # names the jobs' runs
         from hydraddp.tracking.run import preflight
         from hydraddp.tracking.sweep_run import SweepRun
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
@@ -148,8 +153,11 @@ class SweepSummary(Callback):
             from hydraddp.tracking.setup import PARENT_RUN_ENV
 
             print(f"\nhydraddp sweep: MLflow parent run {self.parent.run_id} at {self.parent.uri}", flush=True)
+            from hydraddp.tracking.names import SWEPT_KEYS_ENV
+
             self.parent.finish(FAILED if failed else FINISHED, Path(config.hydra.sweep.dir))
             os.environ.pop(PARENT_RUN_ENV, None)
+            os.environ.pop(SWEPT_KEYS_ENV, None)
         if self.outcomes:
             print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
         if failed:

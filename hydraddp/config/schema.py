@@ -107,6 +107,8 @@ class TrackingConfig:
     flush_timeout_s: float = 60.0  # how long the end of a launch waits for an absent server
     # The run's name: {experiment} {wrap} {precision} {world} {backend} {offload} {model} {id}; empty fields drop out
     run_name: str = "{experiment}-{wrap}-{precision}-w{world}-{id}"
+    # A sweep's job: named by what the sweep varies ({swept}: ddp-bf16, lr=0.001), else by run_name
+    sweep_run_name: str = "{swept}"
     system_metrics: SystemMetricsConfig = field(default_factory=SystemMetricsConfig)
     model: LoggedModelConfig = field(default_factory=LoggedModelConfig)
     datasets: bool = True  # the training and evaluation sets as run inputs (name, digest, source, schema)

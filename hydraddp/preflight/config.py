@@ -125,12 +125,14 @@ def _preempt_signal_problems(cfg: DictConfig) -> list[Problem]:
 
 
 def _run_name_problems(cfg: DictConfig) -> list[Problem]:
-    unnamed = names.run_name_problem(cfg.tracking.run_name)
-    if not unnamed:
-        return []
-    return [Problem(("tracking.run_name",), f"{unnamed}.",
-                    f"Use only {', '.join('{' + f + '}' for f in names.RUN_NAME_FIELDS)} (and any text), "
-                    "e.g. tracking.run_name='{experiment}-{wrap}-{precision}-w{world}-{id}'.")]
+    found = []
+    for key in ("run_name", "sweep_run_name"):
+        unnamed = names.run_name_problem(cfg.tracking[key], f"tracking.{key}")
+        if unnamed:
+            found.append(Problem((f"tracking.{key}",), f"{unnamed}.",
+                                 f"Use only {', '.join('{' + f + '}' for f in names.RUN_NAME_FIELDS)} (and any "
+                                 "text), e.g. tracking.run_name='{experiment}-{wrap}-{precision}-w{world}-{id}'."))
+    return found
 
 
 def _init_device_problems(cfg: DictConfig) -> list[Problem]:

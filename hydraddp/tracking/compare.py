@@ -300,6 +300,7 @@ class Comparison(NamedTuple):
     text: str  # the table and which runs were best, as printed
     plots: list[Path]
     best: dict[str, str]  # TAG_BEST_* -> run id
+    runs: list[Compared]  # in the rows' order
 
 
 def _best_text(best: dict[str, str], runs: list[Compared]) -> str:
@@ -316,7 +317,7 @@ def compare(target: str, uri: str, out_dir: Path) -> Comparison:
     rows = [row(run) for run in runs]
     best = best_runs(rows)
     text = table(rows) + ("\n\n" + _best_text(best, runs) if best else "")
-    return Comparison(rows, text, plots(runs, out_dir), best)
+    return Comparison(rows, text, plots(runs, out_dir), best, runs)
 
 
 def default_out(target: str) -> Path:

@@ -21,6 +21,7 @@ TAG_REQUEUES = "hydraddp.requeued"  # how many preemptions this run was resumed 
 TAG_MODEL_CLASS = "hydraddp.model_class"  # the class the model's _target_ built (a factory's product), from rank 0
 TAG_JOB_DIR = "hydraddp.job_dir"  # where the launch's files are (the other nodes find the run by it)
 TAG_SWEEP = "hydraddp.sweep"  # on a sweep's parent run: its overrides
+TAG_SWEEP_ID = "hydraddp.sweep_id"  # on a sweep's parent and its jobs' runs: the parent's run id (one UI filter)
 TAG_ERROR = "hydraddp.error"  # on a FAILED run: the worker's error
 TAG_PARENT = "mlflow.parentRunId"
 
@@ -32,7 +33,8 @@ EVAL_LOSS, EVAL_ACCURACY = "eval/loss", "eval/accuracy"
 
 
 # The fields a run name's template (tracking.run_name) may use: none can carry a URI or a secret.
-RUN_NAME_FIELDS = ("experiment", "wrap", "precision", "world", "backend", "offload", "model", "id")
+RUN_NAME_FIELDS = ("experiment", "wrap", "precision", "world", "backend", "offload", "model", "swept", "id")
+SWEPT_KEYS_ENV = "HYDRADDP_SWEPT_KEYS"  # set by a sweep for its jobs: the keys it varies, as JSON
 RUN_ID_CHARS = 4  # {id}: the first characters of the MLflow run id, so the name leads to the run
 NAME_SEPARATORS = "-_. /"
 
@@ -43,6 +45,33 @@ def run_name_fields(config: dict[str, Any], wrap: str, world_size: int, experime
     return {"experiment": experiment or "", "wrap": wrap, "precision": config["precision"]["name"],
             "world": str(world_size), "backend": config["backend"]["name"], "offload": config["offload"]["name"],
             "model": target.rsplit(".", 1)[-1].lower()}
+
+
+def swept_keys(overrides: Iterable[str]) -> list[str]:
+    """The keys a sweep's overrides vary (``wrap=ddp,fsdp2`` and ``lr=interval(...)`` do, ``precision=bf16`` not)."""
+    keys = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and SWEPT_VALUE.search(value) and "://" not in value:
+            keys.append(_bare_key(key))
+    return keys
+
+
+def swept_label(overrides: Iterable[str], keys: Iterable[str]) -> str:
+    """What one job of a sweep varies, from its own overrides: ``ddp-bf16`` for the keys ``wrap`` and ``precision``;
+    a key that is not a config group says its name (``lr=0.001``)."""
+    wanted, shown = set(keys), []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and _bare_key(key) in wanted:
+            key = _bare_key(key)
+            shown.append(value if "." not in key else f"{key.rsplit('.', 1)[-1]}={value}")
+    return "-".join(shown)
+
+
+def _bare_key(key: str) -> str:
+    """``+experiment@_global_`` -> ``experiment``."""
+    return key.lstrip("+~").split("@", 1)[0]
 
 
 def run_name(template: str, fields: dict[str, str]) -> str:
@@ -63,18 +92,18 @@ def run_name(template: str, fields: dict[str, str]) -> str:
     return re.sub(rf"([{re.escape(NAME_SEPARATORS)}])\1+", r"\1", out).strip(NAME_SEPARATORS)
 
 
-def run_name_problem(template: str) -> str | None:
-    """Why ``template`` cannot name runs, or None."""
+def run_name_problem(template: str, key: str = "tracking.run_name") -> str | None:
+    """Why ``template`` (the value of ``key``) cannot name runs, or None."""
     unknown = sorted(set(re.findall(r"\{([^{}]*)\}", template)) - set(RUN_NAME_FIELDS))
     if unknown:
-        return (f"tracking.run_name={template!r} uses {', '.join('{' + u + '}' for u in unknown)}, which is not a "
+        return (f"{key}={template!r} uses {', '.join('{' + u + '}' for u in unknown)}, which is not a "
                 f"field of a run name")
     if not run_name(template, {k: "x" for k in RUN_NAME_FIELDS}):
-        return f"tracking.run_name={template!r} names every run with an empty string"
+        return f"{key}={template!r} names every run with an empty string"
     return None
 
 
-SWEPT_VALUE = re.compile(r",|^(range|choice|glob|interval)\(")
+SWEPT_VALUE = re.compile(r",|^(range|choice|glob|interval|tag)\(")
 
 
 def sweep_run_name(overrides: Iterable[str]) -> str:
@@ -83,8 +112,7 @@ def sweep_run_name(overrides: Iterable[str]) -> str:
     shown = []
     for override in overrides:
         key, sep, value = override.partition("=")
-        swept = sep and SWEPT_VALUE.search(value) and "://" not in value
-        if swept or (sep and key.split("@", 1)[0] == "experiment"):
+        if sep and (swept_keys([override]) or _bare_key(key) == "experiment"):
             shown.append(f"{key.split('@', 1)[0]}={value}")
     return " ".join(["sweep", *shown])
 
@@ -121,11 +149,22 @@ MAX_TAG_LENGTH = 8000  # MLflow's limit on a tag value
 
 
 def per_rank_metrics(base: str, values: list[float]) -> dict[str, float]:
-    """``base/rank{r}`` for every rank plus ``base/max``, ``/min`` and ``/mean``."""
+    """``base/rank{r}`` for every rank plus ``base/max``, ``/min`` and ``/mean``. A size in bytes (``..._bytes``) is
+    also logged in MiB (``..._mib``), which MLflow's charts print readably."""
     metrics = {f"{base}/rank{rank}": float(v) for rank, v in enumerate(values)}
     metrics.update({f"{base}/max": float(max(values)), f"{base}/min": float(min(values)),
                     f"{base}/mean": float(sum(values) / len(values))})
+    if base.endswith("_bytes"):
+        metrics.update(per_rank_metrics(mib_key(base), [v / MIB for v in values]))
     return metrics
+
+
+MIB = 2**20
+
+
+def mib_key(base: str) -> str:
+    """``memory/peak_bytes`` -> ``memory/peak_mib``."""
+    return base.removesuffix("_bytes") + "_mib"
 
 
 def sharding_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:

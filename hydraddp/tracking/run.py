@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hydraddp.tracking import names
+from hydraddp.tracking import names, ui
 from hydraddp.tracking.client import mlflow_client, sqlite_path
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 from hydraddp.tracking.node import upload_node_logs
@@ -117,6 +117,7 @@ class LaunchRun:
         self.resumed_from = resumed_from
         self.config, self.overrides, self.tags = config, overrides, tags
         self.run_id, self.run_name = run_id, run_name
+        self.experiment_id: str | None = None  # known once the run is created or found
         self.events_path = self.job_dir / EVENTS_FILE
         self._offset_path = self.job_dir / SENT_OFFSET_FILE
         # How far into the events file MLflow already has everything: a point is never sent twice.
@@ -201,9 +202,10 @@ class LaunchRun:
             # Left as it is until this launch takes a step: a launch that fails before that (a checkpoint of
             # another model, a bad learning rate) must not mark a FINISHED run FAILED.
             self._prior = client.get_run(self.run_id)
+            self.experiment_id = self._prior.info.experiment_id
+            ui.mark_training(client, client.get_experiment(self.experiment_id))
         else:
-            experiment = client.get_experiment_by_name(self.experiment)
-            experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment)
+            experiment_id = self.experiment_id = ui.experiment_id(client, self.experiment)
             # {id} is the run's own id: known once the run exists, so the name is completed after creating it.
             first_name = names.run_name(self.run_name, {"id": ""}) if self.run_name else None
             self.run_id = client.create_run(experiment_id, tags=self.tags, run_name=first_name or None).info.run_id
@@ -375,7 +377,8 @@ class LaunchRun:
             for close in self.before_close:
                 close(self.run_id)
             self._upload_artifacts(error)
-            self._client.set_terminated(self.run_id, status)
+            self._print_link()
+            self._client.set_terminated(self.run_id, status)  # MLflow prints its own links after ours
             return True
         except Exception as exc:
             pending = self._pending_count()
@@ -384,6 +387,15 @@ class LaunchRun:
                   f"  python -m hydraddp.tracking.sync {self.job_dir} --uri {self.uri} --status {status}", flush=True)
             (self.job_dir / "mlflow_status").write_text(status)
             return False
+
+    def _print_link(self) -> None:
+        """The run's page in the UI, or nothing for a sweep's job (the sweep prints its runs at the end)."""
+        base = ui.ui_base(self.uri)
+        if base is None or names.TAG_PARENT in self.tags:
+            return
+        link = ui.run_url(base, self.experiment_id, self.run_id)
+        print("hydraddp: the run in MLflow's UI:\n"
+              + ui.open_lines(self.uri, [("the run", link)]), flush=True)
 
     def _upload_artifacts(self, error: str | None) -> None:
         self._per_rank.upload(self)

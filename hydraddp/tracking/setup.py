@@ -44,16 +44,14 @@ def launch_run(plan: Any) -> TrackerProcess:
     }
     parent = os.environ.get(PARENT_RUN_ENV)
     if parent:
-        tags[names.TAG_PARENT] = parent
+        tags[names.TAG_PARENT] = tags[names.TAG_SWEEP_ID] = parent
     overrides = redaction.redact_overrides(list(plan.overrides), plan.secret_paths)
     attached = detect_launch_env()
     tracking = plan.config["tracking"]
     return TrackerProcess({
         "uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(plan.job_dir),
         "config": config, "overrides": overrides, "tags": tags, "run_id": tracking["run_id"],
-        # Short and readable (fsdp2-bf16-w8-3f2a): from the config's names, never from the overrides' values.
-        "run_name": names.run_name(tracking["run_name"], names.run_name_fields(
-            config, plan.wrap, plan.world_size, names.experiment_choice(plan.overrides))),
+        "run_name": _run_name(plan, overrides, sweeping=bool(parent)),
         # A resume or a restart continues a run that may hold some of the steps to come: they are not resent.
         "resuming": plan.resumes or plan.restarted, "resumed_from": plan.resumed_from,
         "adopt_run": plan.restarted and not tracking["run_id"],
@@ -61,6 +59,19 @@ def launch_run(plan: Any) -> TrackerProcess:
         # The tracker plans what the simulated world can run (not DataParallel's replicas, not Horovod's ranks).
         "plan_world_size": plan.world_size if config["plan"]["record"] and plan.wrap in PLANNED_WRAPS else None,
     })
+
+
+def _run_name(plan: Any, overrides: list[str], sweeping: bool) -> str:
+    """Short and readable: fsdp2-bf16-w8-3f2a from the config's names, or for a sweep's job what the sweep varies
+    (ddp-bf16, lr=0.001), from the job's redacted overrides."""
+    import json
+
+    tracking = plan.config["tracking"]
+    fields = names.run_name_fields(plan.saved_config, plan.wrap, plan.world_size, names.experiment_choice(plan.overrides))
+    fields["swept"] = names.swept_label(overrides, json.loads(os.environ.get(names.SWEPT_KEYS_ENV, "[]")))
+    if sweeping and names.run_name(tracking["sweep_run_name"], {**fields, "id": ""}):
+        return names.run_name(tracking["sweep_run_name"], fields)
+    return names.run_name(tracking["run_name"], fields)
 
 
 __all__ = ["PARENT_RUN_ENV", "launch_run", "preflight", "tracking_uri"]
