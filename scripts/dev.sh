@@ -50,6 +50,15 @@ if [ "$command" = test ] && [ "${HYDRADDP_VISION_TESTS:-1}" = 1 ]; then
   trap 'kill "$vision_pid" 2> /dev/null || true' EXIT  # a setup that fails leaves nothing running
 fi
 
+# The UI tests drive Debian's Chromium (Playwright cannot download a browser here): installed where it is missing
+# and this is root, beside the setup below. One apt at a time: CI's compose test installs Docker under the same lock.
+if [ "$command" = test ] && [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+  chromium_log=$(mktemp)
+  flock /tmp/hydraddp-apt.lock bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq chromium' > "$chromium_log" 2>&1 &
+  chromium_install=$!
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
@@ -89,6 +98,9 @@ case "$command" in
       cat "$horovod_log"
     fi
     PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh
+    if [ -n "${chromium_install:-}" ]; then
+      wait "$chromium_install" || { cat "$chromium_log" >&2; echo "Chromium was not installed: the UI tests skip" >&2; }
+    fi
     status=0
     # Two pytest-xdist workers (this machine's cores), a file each at a time (a file's launches share its module
     # fixtures), the longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order); the 25
