@@ -92,6 +92,11 @@ def hydraddp_overrides(command: str) -> list[list[str]] | None:
     args = args[1:] if sweep else args
     if not sweep:
         return [args]
+    if "hydra/sweeper=hydraddp_optuna" in args:  # a search: one job, at a value every trial can take
+        from hydraddp.search.space import parse, representative
+
+        space = parse([a for a in args if not a.startswith("hydra")])
+        return [space.fixed + representative(space)]
     choices = [[f"{a.split('=')[0]}={v}" for v in a.split("=", 1)[1].split(",")] for a in args]
     return [list(job) for job in itertools.product(*choices)]
 

@@ -26,6 +26,8 @@ from hydraddp.build import data_mesh, instantiate_model, wrap_model
 from hydraddp.parallel.precision import precision_spec
 from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
+from hydraddp.search.trial import TAG_PRUNED, TAG_PRUNED_STEP, TRIAL_ENV, TrialReporter
+from hydraddp.search.trial import describe as describe_trial
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
 from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, pretrained, resume, rng, tasks
@@ -57,6 +59,7 @@ class TrainResult:
     # Per rank, over this launch's second step (plan.measure): the peak of tensor memory and its parts at that moment.
     tensor_peaks: list[dict[str, Any]] = field(default_factory=list)
     preempted: dict[str, Any] | None = None  # a signal stopped training: step, checkpoint, signal
+    pruned_step: int | None = None  # a search's pruner stopped this trial after that step
     mfu: float | None = None  # the last logging window's model FLOP utilization, where the device's peak is known
 
     def to_dict(self) -> dict[str, Any]:
@@ -241,7 +244,8 @@ def train(cfg: DictConfig, job_dir: Path | None = None, events: EventWriter | No
         plain = OmegaConf.to_container(cfg, resolve=True)
         saved_config = redaction.redact(plain, redaction.secret_paths(plain))
     loop = _start(cfg, job_dir, events, saved_config)
-    with preemption.Preemption(list(cfg.checkpoint.preempt_signals), cfg.checkpoint.preempt_check_every) as stop:
+    with preemption.Preemption(list(cfg.checkpoint.preempt_signals), cfg.checkpoint.preempt_check_every,
+                               prunable=bool(os.environ.get(TRIAL_ENV))) as stop:
         batch = _run_steps(loop, stop)
     _close_progress(loop.progress)
     loop.saver.wait()  # a checkpoint still being written in the background is published before the launch ends
@@ -275,6 +279,7 @@ class _Loop:
     saver: resume.Saver
     throughput: Throughput
     step_log: StepLog
+    trial: TrialReporter | None  # a search's trial, on rank 0: reports each evaluation, asks whether to prune
 
 
 def _start(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None,
@@ -306,8 +311,11 @@ def _start(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None,
     saver = resume.Saver(cfg, job_dir, model, parts.optimizer, parts.scheduler, parts.scaler, saved_config, events,
                          loader_state=batches.state_dict)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
+    trial = TrialReporter.from_env() if idist.get_rank() == 0 else None
+    if describe_trial(cfg):
+        log.info(describe_trial(cfg))
     return _Loop(cfg, job_dir, events, parts, device, world, build_peak, datasets, horovod, device_flops, start_step,
-                 last_step, result, progress, batches, saver, throughput, step_log)
+                 last_step, result, progress, batches, saver, throughput, step_log, trial)
 
 
 def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
@@ -338,7 +346,18 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
                                                 loop.device_flops, loop.world))
         loop.step_log.flush(step, step if stopping else last_step)
         if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step and not stopping:
-            _evaluate_between_steps(loop, step)
+            metrics = _evaluate_between_steps(loop, step)
+            if loop.trial is not None and loop.trial.should_prune(step, metrics, loop.step_log.losses.get(step)):
+                stop.request_prune()
+            if stop.prunable:  # every rank learns rank 0's answer now, with any signal's
+                stopping = stop.agree_now()
+        if stopping and stop.pruned:  # a finished run, shorter: no checkpoint is owed, the final evaluation is
+            log.info("the search pruned this trial: stopping after step %d", step)
+            result.pruned_step = loop.last_step = step
+            if events is not None:
+                events.tag(TAG_PRUNED, "true")
+                events.tag(TAG_PRUNED_STEP, str(step))
+            break
         loop.saver.after(step, last_step, batch)
         if loop.progress is not None:
             loop.progress.update(1)
@@ -348,7 +367,7 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
     return batch
 
 
-def _evaluate_between_steps(loop: _Loop, step: int) -> None:
+def _evaluate_between_steps(loop: _Loop, step: int) -> dict[str, float]:
     """A periodic evaluation, its time left out of the throughput."""
     eval_began = time.perf_counter()
     metrics = evaluate(loop.parts.model, loop.parts.eval_loader, loop.device, loop.parts.task, loop.parts.tp).metrics
@@ -356,6 +375,7 @@ def _evaluate_between_steps(loop: _Loop, step: int) -> None:
     log.info("step %d eval %s", step, _shown(metrics))
     if loop.events is not None:
         loop.events.metrics(names.eval_metrics(metrics), step)
+    return metrics
 
 
 def _finish(loop: _Loop, batch: Any) -> TrainResult:

@@ -1,0 +1,71 @@
+"""A trial's side of the search, on the rank that evaluates first (rank 0): report the metric at each evaluation
+to the study's storage, and ask whether to prune. The training loop carries the answer to every rank in the
+collective that already carries the ranks' agreement to stop (``train.preemption``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# Set by the sweeper for its trial's launch: {"storage", "study", "trial_id", "number", "metric", "pruner", "keys"}
+TRIAL_ENV = "HYDRADDP_TRIAL"
+TAG_TRIAL, TAG_TRIAL_STATE = "hydraddp.trial", "hydraddp.trial_state"  # on a trial's run: its number and state
+TAG_PRUNED, TAG_PRUNED_STEP = "hydraddp.pruned", "hydraddp.pruned_step"
+
+
+PRUNERS = ("none", "median", "hyperband")
+
+
+def pruner(name: str) -> Any:
+    """optuna's pruner of ``hydra.sweeper.pruner``: the median rule waits for two finished trials first."""
+    import optuna
+
+    return {"none": optuna.pruners.NopPruner(), "median": optuna.pruners.MedianPruner(n_startup_trials=2),
+            "hyperband": optuna.pruners.HyperbandPruner()}[name]
+
+
+def metric_value(metric: str, eval_metrics: dict[str, float], loss: float | None = None) -> float | None:
+    """The value of ``metric`` (an MLflow name: ``eval/loss``, ``eval/accuracy``, ``train/loss``) among what an
+    evaluation gave, or None."""
+    if metric.startswith("eval/"):
+        return eval_metrics.get(metric.removeprefix("eval/"))
+    return loss if metric == "train/loss" else None
+
+
+def describe(cfg: Any) -> str | None:
+    """What this rank trains with of the searched keys (``trial 3: optim.optimizer.lr=0.01``), for its log; None
+    outside a trial. Every rank logs it: the values are the ones its own config holds."""
+    from omegaconf import OmegaConf
+
+    spec = os.environ.get(TRIAL_ENV)
+    if not spec:
+        return None
+    spec = json.loads(spec)
+    values = " ".join(f"{key}={OmegaConf.select(cfg, key)!r}" for key in spec.get("keys", []))
+    return f"search trial {spec.get('number')}: {values}"
+
+
+class TrialReporter:
+    """The trial of this launch, when the sweeper started it (``TRIAL_ENV``), else ``from_env`` gives None."""
+
+    def __init__(self, spec: dict[str, Any]):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.metric = spec["metric"]
+        # The pruner is not in the storage: each process that asks names its own (load_study's default is median's).
+        study = optuna.load_study(study_name=spec["study"], storage=spec["storage"], pruner=pruner(spec["pruner"]))
+        self.trial = optuna.Trial(study, spec["trial_id"])
+
+    @classmethod
+    def from_env(cls) -> TrialReporter | None:
+        spec = os.environ.get(TRIAL_ENV)
+        return cls(json.loads(spec)) if spec else None
+
+    def should_prune(self, step: int, eval_metrics: dict[str, float], loss: float | None = None) -> bool:
+        value = metric_value(self.metric, eval_metrics, loss)
+        if value is None:
+            return False
+        self.trial.report(float(value), step)
+        return self.trial.should_prune()
