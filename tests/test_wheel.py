@@ -28,6 +28,12 @@ def test_installed_wheel_composes_the_config(tmp_path):
     assert done.returncode == 0, done.stderr
     printed = yaml.safe_load(done.stdout)
     assert (printed["wrap"]["name"], printed["model"]["_target_"]) == ("fsdp2", "hydraddp.models.gpt.GPT")
+    # The search's sweeper travels too, where Hydra finds plugins (hydra_plugins/).
+    done = subprocess.run([python, "-m", "hydraddp", "hydra/sweeper=hydraddp_optuna", "--cfg", "hydra"], cwd=work,
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    sweeper = yaml.safe_load(done.stdout)["hydra"]["sweeper"]
+    assert sweeper["_target_"].startswith("hydra_plugins.hydraddp_optuna_sweeper.") and sweeper["metric"] == "eval/loss"
     located = subprocess.run([python, "-c", "import hydraddp; print(hydraddp.__file__)"], cwd=work,
                              capture_output=True, text=True, check=True).stdout
     assert str(venv) in located

@@ -312,8 +312,9 @@ def _start(cfg: DictConfig, job_dir: Path | None, events: EventWriter | None,
                          loader_state=batches.state_dict)
     throughput, step_log = Throughput(start_step, last_step), StepLog(trainer.log_every, events, progress)
     trial = TrialReporter.from_env() if idist.get_rank() == 0 else None
-    if describe_trial(cfg):
-        log.info(describe_trial(cfg))
+    described = describe_trial(cfg)
+    if described:  # every rank says what it trains with of the searched keys
+        log.info(described)
     return _Loop(cfg, job_dir, events, parts, device, world, build_peak, datasets, horovod, device_flops, start_step,
                  last_step, result, progress, batches, saver, throughput, step_log, trial)
 
@@ -351,7 +352,7 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
                 stop.request_prune()
             if stop.prunable:  # every rank learns rank 0's answer now, with any signal's
                 stopping = stop.agree_now()
-        if stopping and stop.pruned:  # a finished run, shorter: no checkpoint is owed, the final evaluation is
+        if stopping and stop.pruned:  # a finished run, only shorter: no checkpoint is owed; _finish evaluates
             log.info("the search pruned this trial: stopping after step %d", step)
             result.pruned_step = loop.last_step = step
             if events is not None:
