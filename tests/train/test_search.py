@@ -2,6 +2,7 @@
 
 Each trial is a launch; the study lives in a SQLite file the tests read back with optuna itself."""
 
+import fcntl
 import os
 import re
 import signal
@@ -25,7 +26,11 @@ QUICK = ["trainer.max_steps=20", "trainer.eval_every=5", "trainer.log_every=5", 
 
 
 def study(path: Path, name: str):
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{path}")
+    """The study, read as a sweeper would: under the lock its sweeper creates the file's tables with (opening a
+    fresh file while they are made races their creation)."""
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return optuna.load_study(study_name=name, storage=f"sqlite:///{path}")
 
 
 def rank_values(job_dir: Path) -> dict[int, str]:
