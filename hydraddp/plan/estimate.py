@@ -9,6 +9,7 @@ tensor memory, and what it was made of at that moment).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from hydraddp.parallel.mesh import MeshShape
+from hydraddp.plan import cuda
 from hydraddp.distributed.report import ROOT
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel's defaults): the first bucket is small so the
@@ -139,11 +141,13 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     if compiled:  # fake tensors run eagerly: the plan counts the eager step (said in ``unsure``)
         cfg = copy.deepcopy(cfg)
         cfg.trainer.compile = False
-    run = _simulate(cfg, world_size, rank)
+    on_cuda = cuda.runs_on_cuda(cfg.backend.name)
+    run = _simulate(cfg, world_size, rank, on_cuda)
     spec = precision_spec(cfg.precision.name)
     units, unsharded = _units(cfg, run, spec)
     unsure, margin = _unsure(cfg, run.wrap, units, spec, compiled)
-    workspaces, more_margin, why = _cuda_workspaces(cfg.backend.name)
+    # cuBLAS's workspaces on the run's GPU, and a margin where its model is not known here
+    workspaces, more_margin, why = cuda.planned_workspaces(cuda.gpu_names()) if on_cuda else (0, 0, None)
     unsure, margin = unsure + ([why] if why else []), margin + more_margin
     report, peak, built = run.report, run.peak, run.build
     pretrained = cfg.model.get("pretrained")
@@ -160,13 +164,6 @@ def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
         notes=list(report.notes))
 
 
-def _cuda_workspaces(backend: str) -> tuple[int, int, str | None]:
-    """cuBLAS's workspaces on the run's GPU (none off CUDA), the margin when that GPU's model is unknown, and why."""
-    from hydraddp.plan import cuda
-
-    return cuda.planned_workspaces(cuda.gpu_names()) if cuda.runs_on_cuda(backend) else (0, 0, None)
-
-
 class _Simulated(NamedTuple):
     """What the simulated run of one rank saw: the model before and after wrapping, and its two steps."""
 
@@ -180,9 +177,10 @@ class _Simulated(NamedTuple):
     batch_per_rank: int
 
 
-def _simulate(cfg: DictConfig, world_size: int, rank: int) -> _Simulated:
+def _simulate(cfg: DictConfig, world_size: int, rank: int, on_cuda: bool = False) -> _Simulated:
     """Build, wrap and step ``cfg``'s model as ``rank`` of ``world_size`` in a simulated world: the first step makes
-    the optimizer state (as in the run), the second is measured."""
+    the optimizer state (as in the run), the second is measured. ``on_cuda``: as CUDA runs it (``plan.cuda``: the
+    optimizer's kernels, the attention kernel's temporaries, the caching allocator's rounding)."""
     import hydraddp.distributed as idist
     from hydraddp.build import build_path, instantiate_model, wrap_model
     from hydraddp.config.instantiate import instantiate
@@ -205,12 +203,16 @@ def _simulate(cfg: DictConfig, world_size: int, rank: int) -> _Simulated:
         model, _ = wrap_model(cfg, bare)
         optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(
             parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
+        if on_cuda:
+            cuda.foreach_as_on_cuda(optimizer)
         task, scaler, trainer = instantiate(cfg.task, "task"), idist.grad_scaler(model), cfg.trainer
         step = lambda: train_step(model, task, batch, optimizer, scaler, trainer.grad_clip, False,  # noqa: E731
                                   trainer.accumulate_grad_batches)
         step()  # the first step makes the optimizer state, as in the run
         report = idist.wrap_report(model, optimizer)
-        with TensorPeak(model, optimizer) as peak:
+        kernels = cuda.KernelWorkspaces() if on_cuda else contextlib.nullcontext()
+        with TensorPeak(model, optimizer, allocated_bytes=cuda.allocator_rounding() if on_cuda else None) as peak, \
+                kernels:
             step()
         batch_per_rank = tasks.batch_size(batch)
     realized = model._hydraddp_wrap.wrap  # wrap=auto decided (DDP's stand-in reports itself as unwrapped)

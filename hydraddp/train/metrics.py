@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,8 +154,11 @@ class TensorPeak:
     PARTS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
              "Temp": "temporary", "Optstate": "optimizer_state", "Other": "other"}
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | None = None):
-        self.model, self.optimizer, self.device = model, optimizer, device
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | None = None,
+                 allocated_bytes: Callable[[int], int] | None = None):
+        """``allocated_bytes``: what an allocator takes for a storage of so many bytes (the plan's model of CUDA's
+        caching allocator, ``hydraddp.plan.cuda.allocator_rounding``); the storage's own size where None."""
+        self.model, self.optimizer, self.device, self.allocated_bytes = model, optimizer, device, allocated_bytes
         self.peak_bytes, self.parts = 0, {}
 
     def __enter__(self) -> TensorPeak:
@@ -165,7 +169,7 @@ class TensorPeak:
         # trainer.compile=true run, and every evaluation, ran eagerly (found with Dynamo's own frame counters).
         self._eager = torch.compiler.set_stance("force_eager")
         self._eager.__enter__()
-        self._tracker = _micro_batch_mem_tracker()
+        self._tracker = _micro_batch_mem_tracker(self.allocated_bytes)
         self._tracker.track_external(self.model, self.optimizer)
         self._tracker.__enter__()
         return self
@@ -184,7 +188,7 @@ class TensorPeak:
         self.parts = totals
 
 
-def _micro_batch_mem_tracker() -> Any:
+def _micro_batch_mem_tracker(allocated_bytes: Callable[[int], int] | None = None) -> Any:
     """torch's ``MemTracker``, for any step hydraddp runs, reading only the peak of the whole span (below: the stock
     tracker's per-module peaks cost a walk of every module after each operator). And changes where it raised:
     - The root module may run again inside one span, as gradient accumulation's micro-batches do ("does not support
@@ -194,10 +198,18 @@ def _micro_batch_mem_tracker() -> Any:
       registered on non-leaf tensors"): FSDP1 with ``use_orig_params=True`` makes them views of its flat parameter
       in the forward, and its gradients are counted on that flat parameter.
     - A frozen parameter (a LoRA model's base weights) gets none either ("cannot register a hook on a tensor that
-      doesn't require gradient"): no gradient ever comes to it, so gradients count only what trains."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+      doesn't require gradient"): no gradient ever comes to it, so gradients count only what trains.
+    - ``allocated_bytes``, where given, sizes each storage as that allocator would (the stock tracker rounds only
+      storages on a CUDA device, and the plan's are on the CPU)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 
     class MicroBatchMemTracker(MemTracker):
+        def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
+                         old_reftype: Any = None) -> None:
+            if allocated_bytes is not None and u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+                winfo.mem_consumed = allocated_bytes(winfo.size * winfo.element_size)
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
         def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
             tracker = self._mod_tracker
             again = module in self.memory_tracking and not tracker.is_bw
