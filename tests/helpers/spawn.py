@@ -179,6 +179,16 @@ def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: d
     return Launched(proc.returncode, out, err, token)
 
 
+def wait_for_published_checkpoint(proc: subprocess.Popen, root: Path, step: int, timeout: float = 120) -> None:
+    """Wait until the checkpoint of ``step`` under ``root/outputs``' job is published while ``proc`` runs: written in
+    the background (``checkpoint.async_save``), it may be whole only some steps later on a loaded machine, and a
+    worker killed before that restarts from an earlier one, or from scratch."""
+    deadline = time.monotonic() + timeout
+    while not list(root.glob(f"outputs/*/*/checkpoints/step_{step:08d}")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+
+
 def sigkill_rank_when_logged(proc: subprocess.Popen, root: Path, pattern: str, rank: int = 1,
                              timeout: float = 120) -> None:
     """Wait until ``rank``'s log under ``root/outputs`` matches ``pattern`` while ``proc`` runs, then SIGKILL

@@ -5,7 +5,6 @@ by torch's agent and loses nothing, and nothing half-written or foreign is ever 
 import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.spawn import (NO_MODEL, NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli,
-                                 run_process, sigkill_rank_when_logged)
+                                 run_process, sigkill_rank_when_logged, wait_for_published_checkpoint)
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -128,12 +127,7 @@ def test_a_sigkilled_worker_is_restarted_and_the_job_finishes_as_if_nothing_happ
                             env=child_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        # Past the step-20 checkpoint, once it is published: written in the background, it may be whole only some
-        # steps later on a loaded machine, and a restart before that starts from scratch.
-        deadline = time.monotonic() + 120
-        while not list(killed.glob("outputs/*/*/checkpoints/step_00000020")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
+        wait_for_published_checkpoint(proc, killed, 20)
         sigkill_rank_when_logged(proc, killed, r"step (2[1-9]|[3-9]\d) loss")
         _, err = proc.communicate(timeout=300)
     finally:

@@ -11,7 +11,7 @@ import pytest
 
 from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, rendezvous_port, run_process, run_together,
-                                 sigkill_rank_when_logged)
+                                 sigkill_rank_when_logged, wait_for_published_checkpoint)
 from tests.train.test_checkpoint import export, losses, max_diff
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
@@ -84,7 +84,8 @@ def test_a_sigkilled_rank_under_torchrun_restarts_from_the_launchs_checkpoint(tm
                              *config], cwd=killed, env=child_env(token), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        sigkill_rank_when_logged(proc, killed, r"step 3\d loss", timeout=180)  # past the step-20 checkpoint
+        wait_for_published_checkpoint(proc, killed, 20, timeout=180)
+        sigkill_rank_when_logged(proc, killed, r"step (2[1-9]|[3-9]\d) loss")
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
