@@ -16,8 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,6 +155,19 @@ def run_together(commands: list[tuple], timeout: float = 180) -> list[Launched]:
     return [Launched(proc.returncode, out, err, token) for proc, (out, err) in zip(procs, outputs)]
 
 
+def wait_while_running(proc: subprocess.Popen, ready: Callable[[], Any], what: str, timeout: float = 120) -> Any:
+    """Poll ``ready()`` until it gives something true, and return that. The launch ``proc`` must still be running
+    then: one that ended first, or hung past ``timeout`` (a guard, not a measure of speed), fails with its output."""
+    deadline = time.monotonic() + timeout
+    while not (found := ready()):
+        if proc.poll() is not None:
+            pytest.fail(f"the launch ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {timeout:.0f} s: the launch hung")
+        time.sleep(0.05)
+    return found
+
+
 def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: dict[str, str] | None = None,
                    send=None) -> Launched:
     """Start ``cmd`` in its own session, wait until ``ready()`` while it runs, press Ctrl-C (SIGINT; or call
@@ -162,12 +176,7 @@ def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: d
     proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(token, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise AssertionError(f"never ready; output: {proc.communicate()}")
-            time.sleep(0.2)
+        wait_while_running(proc, ready, "it was ready to be signalled", timeout)
         if send is None:
             proc.send_signal(signal.SIGINT)
         else:
@@ -180,25 +189,24 @@ def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: d
 
 
 def wait_for_published_checkpoint(proc: subprocess.Popen, root: Path, step: int, timeout: float = 120) -> None:
-    """Wait until the checkpoint of ``step`` under ``root/outputs``' job is published while ``proc`` runs: written in
-    the background (``checkpoint.async_save``), it may be whole only some steps later on a loaded machine, and a
-    worker killed before that restarts from an earlier one, or from scratch."""
-    deadline = time.monotonic() + timeout
-    while not list(root.glob(f"outputs/*/*/checkpoints/step_{step:08d}")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
+    """Wait until the checkpoint of ``step`` under ``root/outputs``' job is published: written in the background
+    (``checkpoint.async_save``), it may be whole only some steps later on a loaded machine, and a worker killed
+    before that restarts from an earlier one, or from scratch."""
+    wait_while_running(proc, lambda: list(root.glob(f"outputs/*/*/checkpoints/step_{step:08d}")),
+                       f"the checkpoint of step {step}", timeout)
 
 
 def sigkill_rank_when_logged(proc: subprocess.Popen, root: Path, pattern: str, rank: int = 1,
                              timeout: float = 120) -> None:
     """Wait until ``rank``'s log under ``root/outputs`` matches ``pattern`` while ``proc`` runs, then SIGKILL
     that rank (its pid is in its log): a worker dying mid-run."""
-    deadline = time.monotonic() + timeout
-    while not (logs := list(root.glob(f"outputs/*/*/logs/rank{rank}.log"))) or \
-            not re.search(pattern, logs[0].read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    os.kill(int(re.search(rf"rank {rank} pid (\d+)", logs[0].read_text())[1]), signal.SIGKILL)
+    def matching_log() -> str | None:
+        logs = list(root.glob(f"outputs/*/*/logs/rank{rank}.log"))
+        text = logs[0].read_text() if logs else ""
+        return text if re.search(pattern, text) else None
+
+    text = wait_while_running(proc, matching_log, f"rank {rank}'s log matching {pattern!r}", timeout)
+    os.kill(int(re.search(rf"rank {rank} pid (\d+)", text)[1]), signal.SIGKILL)
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> Launched:
