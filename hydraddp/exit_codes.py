@@ -19,11 +19,13 @@ EXIT_INTERRUPTED = 130  # Ctrl-C: every worker was stopped
 def exit_without_teardown(main: Callable[[], int | str | None]) -> NoReturn:
     """Run an entry point's ``main`` and end the process as ``sys.exit`` would, less the interpreter's teardown.
 
-    What Python does at exit, this does too, in its order: it waits for non-daemon threads, runs the ``atexit``
-    handlers (logging's flush, ``weakref.finalize`` clean-ups, multiprocessing's) and flushes stdout and stderr. What it
-    skips is the teardown of every module and object that follows, which with torch loaded costs 0.5-1.5 s of CPU in
-    each process (torch, dynamo, mlflow, SQLAlchemy) and holds up the command that waits for it: a launch, its tracker,
-    its plan. An exception other than ``SystemExit`` is left to Python, traceback and all.
+    What Python's finalization does first, this does by calling the same functions in the same order:
+    ``threading._shutdown`` (the ``threading._register_atexit`` hooks, which stop ``concurrent.futures`` pools such as
+    inductor's compile workers, then the join of every non-daemon thread), the ``atexit`` handlers (logging's flush,
+    ``weakref.finalize`` clean-ups, multiprocessing's), then the flush of stdout and stderr. What it skips is the
+    teardown of every module and object that follows, which with torch loaded costs 0.5-1.5 s of CPU in each process
+    (torch, dynamo, mlflow, SQLAlchemy) and holds up the command that waits for it: a launch, its tracker, its plan.
+    An exception other than ``SystemExit`` is left to Python, traceback and all.
     """
     try:
         code = main()
@@ -32,9 +34,9 @@ def exit_without_teardown(main: Callable[[], int | str | None]) -> NoReturn:
     if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, status 1
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # Py_FinalizeEx's own first steps (wait_for_thread_shutdown, then the atexit callbacks). Joining the threads
+    # without the threading hooks first waits forever on a pool whose workers only its hook tells to stop.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -9,7 +9,7 @@ A checkpoint is a directory ``step_NNNNNNNN``:
   ``StatefulDataLoader``: the position, and each loader worker's RNGs).
 Everything of ours that is not a tensor is JSON. DCP's own index (``.metadata``) is a pickle: it is read by a
 restricted unpickler that builds DCP's metadata classes, torch sizes and dtypes and paths, and refuses any other
-global (``reader``), so loading a checkpoint runs no code it holds. A checkpoint is written as
+global (``dcp_index.reader``), so loading a checkpoint runs no code it holds. A checkpoint is written as
 ``step_NNNNNNNN.tmp`` and renamed only when complete: ``latest`` never sees a half-written one.
 
 ``meta.json`` names the launch that wrote it (``job_dir``, which restarts, requeues and reruns in that directory
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import shutil
 import socket
@@ -37,6 +36,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.models import fit
+from hydraddp.train.dcp_index import reader
 from hydraddp.tracking import names
 from hydraddp.train import rng
 
@@ -311,45 +311,6 @@ def _publish(tmp: Path, final: Path, launch: str | None) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         return
     tmp.rename(final)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler for DCP's ``.metadata`` that builds only what such an index holds (pickle's "restricting
-    globals"): exactly the classes named in ``ALLOWED`` (DCP's metadata classes, its file-system reader's storage
-    info, ``torch.Size``, the tensor layout, paths) and torch's dtypes; any other global is refused."""
-
-    DCP_METADATA = ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-                    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
-    ALLOWED = {*(("torch.distributed.checkpoint.metadata", name) for name in DCP_METADATA),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-               ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-               ("pathlib", "PureWindowsPath")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"a checkpoint index may not name {module}.{name}: this is not a DCP checkpoint "
-                                     "hydraddp reads")
-
-
-def reader(path: Path) -> Any:
-    """DCP's file-system reader of ``path``, reading its index with ``_MetadataUnpickler``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(path))
 
 
 def check_readable(path: Path) -> dict[str, Any]:

@@ -64,3 +64,58 @@ def test_only_the_classes_the_unpickler_names_are_built(saved, module, name):
     (path / ".metadata").write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode() + b".")
     with pytest.raises(CheckpointError, match=f"index may not name {module}.{name}"):
         check_readable(path)
+
+
+def _written_as(path, *, enum_members_by_name=False, paths_module="pathlib"):
+    """``path``'s own index pickled again as another Python writes it: Python 3.11.0-3.11.4 (Debian 12's 3.11.2)
+    pickle an enum member as ``getattr(EnumClass, name)``; 3.13 names its paths' classes in ``pathlib._local``.
+    Protocol 2 writes each global as text (the GLOBAL opcode), so a module's name can be swapped in place."""
+    import enum
+    import io
+
+    index = pickle.loads((path / ".metadata").read_bytes())  # our own file: trusted here
+
+    class As3112(pickle.Pickler):
+        def reducer_override(self, obj):
+            if enum_members_by_name and isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    out = io.BytesIO()
+    As3112(out, protocol=2, fix_imports=False).dump(index)  # "builtins", not Python 2's "__builtin__"
+    data = out.getvalue()
+    if enum_members_by_name:
+        assert b"cbuiltins\ngetattr\n" in data  # what Debian 12's Python writes
+    if paths_module != "pathlib":
+        assert b"cpathlib\nPosixPath\n" in data
+        data = data.replace(b"cpathlib\nPosixPath\n", f"c{paths_module}\nPosixPath\n".encode())
+    (path / ".metadata").write_bytes(data)
+
+
+@pytest.mark.parametrize("python, written", [
+    ("3.11.2", {"enum_members_by_name": True}),
+    ("3.13", {"paths_module": "pathlib._local"}),
+])
+def test_an_index_as_every_claimed_python_writes_it_is_read_and_loads(saved, python, written):
+    """A checkpoint written on another Python (a requeued job on another node's image, shared storage) resumes: the
+    index as Debian 12's 3.11.2 and Debian 13's 3.13 pickle it. (CI also writes and reads real ones on each Python:
+    scripts/pythons.sh.)"""
+    import torch.distributed.checkpoint as dcp
+
+    path, model = saved
+    _written_as(path, **written)
+    assert sorted(check_readable(path)) == sorted(f"model.{k}" for k in model.state_dict())
+    state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(state, storage_reader=reader(path), no_dist=True)
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("call", [
+    b"ctorch\nSize\nX\x07\x00\x00\x00__new__\x86R.",  # getattr(torch.Size, "__new__"): not an enum
+    b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nX\x08\x00\x00\x00__init__\x86R.",  # no member
+])
+def test_getattr_builds_only_a_member_of_an_allowed_enum(saved, call):
+    path, _ = saved
+    (path / ".metadata").write_bytes(b"\x80\x02cbuiltins\ngetattr\n" + call)
+    with pytest.raises(CheckpointError, match=r"index may not call getattr\(.*only a member of an allowed enum"):
+        check_readable(path)
