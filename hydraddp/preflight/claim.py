@@ -1,24 +1,22 @@
-"""One launch at a time in a checkpoint root: the process that leads a launch holds an exclusive ``flock`` on ``CLAIM``
-in its ``checkpoint.dir`` from preflight until the launch ends, and records there who it is. A second launch finds it
-held and is refused before any worker starts. The kernel drops the lock when its holder exits, however it exits, so
-a crashed launch never blocks a later resume, and a restarted rank 0 under torchrun takes it again."""
+"""One launch at a time in a checkpoint root: the process that leads a launch holds the lease ``CLAIM`` in its
+``checkpoint.dir`` (``hydraddp.lease``: a file created with O_EXCL, renewed while its holder lives) from preflight
+until the launch ends, and records there who it is. A second launch, on this node or another, finds it held and is
+refused before any worker starts. Not ``flock``: on common cluster mounts it locks on each node alone. A launch
+that crashed frees the folder at once for a launch on its host (its pid is gone: a restarted rank 0 under torchrun
+takes it again), and for one on another node once its lease expires (``lease.DURATION_S``)."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import logging
-import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
+
+from hydraddp import lease
 
 log = logging.getLogger(__name__)
 CLAIM = ".hydraddp-claim"
 
-_held: dict[Path, int] = {}  # root -> this process's open, locked claim file
+_held: dict[Path, lease.Lease] = {}  # root -> this process's lease on it
 
 
 def claim(root: Path, job_dir: Path) -> dict[str, Any] | None:
@@ -28,55 +26,27 @@ def claim(root: Path, job_dir: Path) -> dict[str, Any] | None:
     if root in _held:
         return None
     root.mkdir(parents=True, exist_ok=True)
-    path = root / CLAIM
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return holder(root)
-            # A file system without locks (some NFS mounts): training there is no less safe than it was.
-            log.warning("checkpoint.dir=%s cannot be locked (%s): a concurrent launch into it is not refused",
-                        root, exc)
-            return None
-        if _is_path(fd, path):
-            break
-        os.close(fd)  # its holder removed it between our open and our lock: that file claims nothing now
-    record = {"job_dir": str(job_dir), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(record).encode())
-    _held[root] = fd
-    return None
-
-
-def _is_path(fd: int, path: Path) -> bool:
     try:
-        on_disk = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+        taken = lease.acquire(root / CLAIM, job_dir=str(job_dir))
+    except OSError as exc:
+        # A folder this process cannot create a file in: training there fails on its own, with its own error.
+        log.warning("checkpoint.dir=%s cannot be claimed (%s): a concurrent launch into it is not refused", root, exc)
+        return None
+    if taken is None:
+        return holder(root)
+    _held[root] = taken
+    return None
 
 
 def holder(root: Path) -> dict[str, Any]:
     """What the launch claiming ``root`` recorded ({} when nothing is readable)."""
-    try:
-        return json.loads((Path(root) / CLAIM).read_text())
-    except (OSError, ValueError):
-        return {}
+    return lease.holder(Path(root) / CLAIM)
 
 
 def release(root: Path | None = None) -> None:
-    """Give up the claim on ``root`` (None: every claim this process holds), removing the file first: a launch that
-    opened it meanwhile finds another file there (or none) and claims that one instead."""
+    """Give up the claim on ``root`` (None: every claim this process holds), removing its file if it is still this
+    process's lease: a launch waiting for it then claims it."""
     for held in list(_held) if root is None else [Path(root)]:
-        fd = _held.pop(held, None)
-        if fd is None:
-            continue
-        try:
-            os.unlink(held / CLAIM)
-        except OSError:
-            pass  # removed by hand: the lock is still dropped below
-        os.close(fd)
+        taken = _held.pop(held, None)
+        if taken is not None:
+            taken.release()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import warnings
 import hashlib
 import json
@@ -25,6 +24,7 @@ from typing import Any, Iterator
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig
 
+from hydraddp import lease
 from hydraddp.search import space as search_space
 from hydraddp.search.trial import PRUNERS, TAG_TRIAL, TAG_TRIAL_STATE, TRIAL_ENV, metric_value, pruner
 
@@ -180,8 +180,9 @@ def config_problems(space: search_space.Space, loader: Any, config: DictConfig) 
 @contextlib.contextmanager
 def _creating(storage: str) -> Iterator[None]:
     """Two sweepers starting at once on a fresh SQLite file both create optuna's tables, and one fails ("table
-    studies already exists"): they take turns under a lock beside the file (the kernel drops it if its holder dies).
-    A database server creates its tables in transactions of its own."""
+    studies already exists"): they take turns under a lease beside the file (``hydraddp.lease``: not ``flock``, which
+    on cluster mounts locks on each node alone; a holder that dies frees it). A database server creates its tables in
+    transactions of its own."""
     from hydraddp.tracking.client import sqlite_path
 
     database = sqlite_path(storage)
@@ -189,8 +190,7 @@ def _creating(storage: str) -> Iterator[None]:
         yield
         return
     database.parent.mkdir(parents=True, exist_ok=True)
-    with open(database.with_name(database.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with lease.held(database.with_name(database.name + ".lease")):
         yield
 
 

@@ -7,10 +7,11 @@ Importing this module does not import mlflow; ``mlflow_client`` does, when it is
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from pathlib import Path
 from typing import Iterator
+
+from hydraddp import lease
 
 
 def default_uri(cwd: Path | None = None) -> str:
@@ -31,15 +32,15 @@ def mlflow_client(uri: str):
 def _creating_store(uri: str) -> Iterator[None]:
     """MLflow creates and migrates a fresh SQLite store in the client's constructor; two processes doing it at the
     same moment (node 0's tracker and another node's, at a launch's start) collide ("table _alembic_tmp_experiments
-    already exists") and leave it half-migrated. Every process that opens the file takes turns under a lock beside
-    it: the first creates the store, the others find it made. The kernel releases the lock if its holder dies."""
+    already exists") and leave it half-migrated. Every process that opens the file takes turns under a lease beside
+    it (``hydraddp.lease``: not ``flock``, which on cluster mounts locks on each node alone): the first creates the
+    store, the others find it made. A holder that dies frees it (on another node, once it expires)."""
     database = sqlite_path(uri)
     if database is None:
         yield
         return
     database.parent.mkdir(parents=True, exist_ok=True)
-    with open(database.with_name(database.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with lease.held(database.with_name(database.name + ".lease")):
         yield
 
 

@@ -1,6 +1,7 @@
 """A launch claims its ``checkpoint.dir`` for as long as it runs: another launch into it meanwhile is refused with the
-holder named, and a holder that dies (SIGKILL included) leaves the folder free. The holder is a real second process:
-the kernel's lock is what is checked."""
+holder named, and a holder that dies (SIGKILL included) leaves the folder free. The holders are real processes, and
+the claim holds with ``fcntl.flock`` a no-op that always succeeds, as on NFS with ``local_lock``: the claim is a
+lease (``hydraddp.lease``, tested on its own in tests/test_lease.py), not a lock of one node's kernel."""
 
 import os
 import signal
@@ -13,8 +14,9 @@ from omegaconf import OmegaConf
 from hydraddp.preflight import claim
 from hydraddp.preflight.launch import checkpoint_root_problems
 from tests.helpers.spawn import REPO, assert_no_orphans, child_env
+from tests.test_lease import Racers
 
-HOLD = ("import sys, time; from hydraddp.preflight import claim; "
+HOLD = ("import fcntl, sys, time; fcntl.flock = lambda *args, **kwargs: None; from hydraddp.preflight import claim; "
         "assert claim.claim(sys.argv[1], '/jobs/first') is None; print('claimed', flush=True); time.sleep(120)")
 
 
@@ -55,3 +57,29 @@ def test_a_launch_without_checkpoint_dir_claims_nothing(tmp_path):
     cfg = OmegaConf.create({"checkpoint": {"dir": None}})
     assert checkpoint_root_problems(cfg, tmp_path / "job", None, restarted=False) == []
     assert claim._held == {} and list(tmp_path.iterdir()) == []
+
+
+def test_launches_racing_for_one_checkpoint_dir_on_a_mount_without_locks_one_claims_it(tmp_path):
+    """Each round, three processes claim one folder at once (flock a no-op in each): one claims it, the others are
+    refused; once it releases, the folder is free again."""
+    root = tmp_path / "shared"
+    with Racers(3) as racers:
+        for round in range(10):
+            answers = racers.ask(f"claim {root} /jobs/{round}")
+            assert sorted(answers) == ["lost", "lost", "won"], (round, answers)
+            assert claim.holder(root)["pid"] == racers.procs[answers.index("won")].pid
+            assert racers.ask("release") == ["released"] * 3
+            assert list(root.iterdir()) == []
+
+
+def test_release_by_a_launch_that_does_not_hold_the_claim_leaves_it(tmp_path):
+    root = tmp_path / "shared"
+    proc, token = held_elsewhere(root)
+    try:
+        claim.release(root)
+        claim.release()
+        assert claim.holder(root)["pid"] == proc.pid and claim.claim(root, tmp_path / "second") is not None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert_no_orphans(token)

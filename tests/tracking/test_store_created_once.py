@@ -1,5 +1,6 @@
 """A fresh SQLite store that several processes open at once (node 0's tracker and the other nodes', at a launch's
-start) is created once: every process gets a working client, and the store is whole afterwards."""
+start) is created once: every process gets a working client, and the store is whole afterwards. Each process has
+``fcntl.flock`` a no-op that always succeeds, as on NFS with ``local_lock``: they take turns under a lease."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ OPENERS = 4
 
 
 def _open_and_log(uri: str, start, results) -> None:
+    import fcntl
+
+    fcntl.flock = lambda *args, **kwargs: None  # as on NFS local_lock: every process gets every lock at once
     from hydraddp.tracking.client import mlflow_client
 
     start.wait()
@@ -36,6 +40,7 @@ def test_processes_opening_a_fresh_sqlite_store_together_all_get_a_whole_store(t
 
     from mlflow.tracking import MlflowClient
 
+    assert not (tmp_path / "mlflow.db.lease").exists()  # the last to take its turn removed it
     client = MlflowClient(uri)  # a later client finds the store whole
     run = client.create_run(client.create_experiment("after")).info
     client.log_metric(run.run_id, "loss", 1.0, step=1)

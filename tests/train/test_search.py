@@ -2,7 +2,6 @@
 
 Each trial is a launch; the study lives in a SQLite file the tests read back with optuna itself."""
 
-import fcntl
 import os
 import re
 import signal
@@ -26,10 +25,11 @@ QUICK = ["trainer.max_steps=20", "trainer.eval_every=5", "trainer.log_every=5", 
 
 
 def study(path: Path, name: str):
-    """The study, read as a sweeper would: under the lock its sweeper creates the file's tables with (opening a
+    """The study, read as a sweeper would: under the lease its sweeper creates the file's tables with (opening a
     fresh file while they are made races their creation)."""
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    from hydraddp.search.sweeper import _creating
+
+    with _creating(f"sqlite:///{path}"):
         return optuna.load_study(study_name=name, storage=f"sqlite:///{path}")
 
 
