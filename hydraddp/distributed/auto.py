@@ -16,7 +16,7 @@ from hydraddp.distributed import utils
 
 from hydraddp.parallel import machine, meta_init, wrappers
 from hydraddp.parallel.combinations import Combination, ConfigurationError, Problem, resolve_wrap
-from hydraddp.distributed.comp_models.horovod import HOROVOD
+from hydraddp.distributed.comp_models.horovod import HOROVOD, accept_set_to_none
 from hydraddp.parallel.mesh import MeshShape
 from hydraddp.parallel.plan import ParallelPlan
 from hydraddp.parallel.parallelize import parallelize
@@ -133,7 +133,7 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
     elif compression is not None:
         kwargs["compression"] = compression
     state = optimizer.state_dict()
-    optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
+    optimizer = accept_set_to_none(hvd.DistributedOptimizer(optimizer, **kwargs))
     if state["state"]:
         optimizer.load_state_dict(state)  # Horovod's wrapper is a new optimizer: it would start from nothing
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -168,6 +168,13 @@ def _wrap_backend_problems(combo: Combination, wrap: str) -> Iterator[Problem]:
                        f"wrap={wrap} cannot run under backend=horovod: Horovod has no {wrap} wrapper.",
                        "Use wrap=auto (Horovod's broadcast + DistributedOptimizer), or backend=gloo/nccl with wrap="
                        f"{wrap}.")
+    if backend == "horovod" and combo.precision == "bf16-true":
+        # Its first broadcast of the bf16 weights fails: "Tensor type torch.BFloat16Tensor is not supported".
+        yield _problem(combo, ("backend", "precision"),
+                       "precision=bf16-true cannot run under backend=horovod: Horovod 0.28.1 has no bfloat16 "
+                       "collectives, and bf16-true keeps the weights and gradients in bfloat16.",
+                       "Use precision=bf16 (fp32 weights and gradients, bf16 compute), or backend=gloo/nccl with "
+                       "precision=bf16-true.")
     if wrap in ("ddp", "fsdp", "fsdp2") and backend == "none":
         yield _problem(combo, ("backend", "wrap"), f"wrap={wrap} needs a process group, and backend=none has none.",
                        "Use backend=gloo (or auto), or wrap=none for a single plain process.")

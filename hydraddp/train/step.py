@@ -92,7 +92,7 @@ def train_step(model: nn.Module, task: Any, batch: Any, optimizer: torch.optim.O
     loss counts by its share of the batch (``tasks.loss_weight``: samples, or the tokens that count), so the step
     equals one pass over the whole batch; gradients cross the ranks once, in the last micro-batch's backward pass.
     Returns the batch's loss (detached)."""
-    optimizer.zero_grad()  # set_to_none by default; Horovod's wrapper takes no arguments
+    optimizer.zero_grad()  # set_to_none by default (under Horovod too: comp_models.horovod.accept_set_to_none)
     total = torch.zeros((), device=next(tasks.tensors(batch)).device)
     micro_batches = tasks.split(batch, accumulate)
     weights = [tasks.loss_weight(task, micro) for micro in micro_batches] if accumulate > 1 else [1]

@@ -51,3 +51,22 @@ def collectives(local_rank: int) -> dict:
 def horovod_settings(local_rank: int) -> dict:
     """The Horovod settings that horovod.run sets in its workers, as this worker sees them."""
     return {key: os.environ.get(key) for key in HOROVOD_RUN_MISSETS}
+
+
+def zero_grad_as_torch(local_rank: int) -> dict:
+    """zero_grad of auto_optim's Horovod optimizer: torch's set_to_none, and Horovod's refusal while allreduces wait."""
+    model = idist.auto_model(torch.nn.Linear(4, 2))
+    optimizer = idist.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    model(torch.ones(3, 4)).sum().backward()  # the gradient hooks start their allreduces
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        pending = "zeroed"
+    except AssertionError as exc:
+        pending = str(exc)
+    optimizer.step()
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    kept = [None if p.grad is None else p.grad.abs().sum().item() for p in model.parameters()]
+    optimizer.zero_grad()
+    return {"pending": pending, "kept": kept, "default": [p.grad for p in model.parameters()]}

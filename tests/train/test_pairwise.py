@@ -4,19 +4,22 @@ run with every default on (the plan's measured step, MLflow tracking with the Lo
 A row finishes with finite losses and a FINISHED run, or is refused before it trains by a rule the README states
 (exit 2 in a launch); a stop-and-resume row ends where the same row without the stop ends. The cheap way: each row
 is planned as a launch plans it (``launch_plan.prepare``: every check, the resume found, the run to continue), its
-ranks run ``train()`` on a reused 2-rank gloo group as a launch's workers do, and its MLflow run is kept by the
-tracker's own ``LaunchRun`` from the events rank 0 wrote. The launches themselves are tested elsewhere."""
+ranks run ``train()`` on reused workers of its backend (2 gloo ranks, 2 Horovod ranks, or one process for
+backend=none) as a launch's workers do, and its MLflow run is kept by the tracker's own ``LaunchRun`` from the
+events rank 0 wrote. The launches themselves are tested elsewhere."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from pathlib import Path
 
 import pytest
 
 FACTORS: dict[str, tuple[str, ...]] = {
-    "wrap": ("ddp", "fsdp", "fsdp2", "hsdp", "tp"),
+    "backend": ("gloo", "horovod", "none"),  # every backend that runs on CPU ranks (none: one process, no group)
+    "wrap": ("ddp", "fsdp", "fsdp2", "hsdp", "tp", "auto"),
     "precision": ("fp32", "bf16", "bf16-true"),
     "init_device": ("auto", "cpu"),
     "pretrained": ("none", "hf"),
@@ -30,20 +33,28 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "stop_resume": ("off", "on"),
     "offload": ("none",),  # cpu: the refused rows below
 }
-# Pairs no generated row holds: FSDP1 is never compiled (README: Dynamo does not trace its flat parameters; the rules
-# refuse it); a LoRA model is the user's own, which model.pretrained (a Hugging Face directory for model=hf_causal_lm)
-# does not load into; TP with LoRA is refused whatever else the row holds, in a row of its own (REFUSED).
-EXCLUDED = {(("wrap", "fsdp"), ("compile", "on")), (("frozen", "lora"), ("pretrained", "hf")),
-            (("wrap", "tp"), ("frozen", "lora"))}
+# Pairs no generated row holds. Those the combination rules refuse are theirs to say (``_allowed`` asks them):
+# a backend without the wrap (Horovod has only its own data parallelism, backend=none no group at all: both run
+# wrap=auto), FSDP1 or Horovod compiled. Besides: a LoRA model is the user's own, which model.pretrained (a Hugging
+# Face directory for model=hf_causal_lm) does not load into; TP with LoRA is refused whatever else the row holds, in a
+# row of its own (REFUSED).
+EXCLUDED = {(("frozen", "lora"), ("pretrained", "hf")), (("wrap", "tp"), ("frozen", "lora"))}
 # Values that a README rule refuses whatever else the row holds, so that a row holding them would cover no other
 # pair: each meets the wraps it applies to in a row of its own, which must be refused with that rule's message.
 # Offload moves FSDP's parameters between an accelerator and the CPU (none here: the rows run on CPU ranks); a TP
-# plan names the modules of the model it was written for (peft renames them).
+# plan names the modules of the model it was written for (peft renames them). And one pair the rules refuse, which
+# the rows above leave out: Horovod compiled, and Horovod with bf16-true weights (Horovod 0.28.1 has no bfloat16
+# collectives), each refused with the rule's message rather than silently never tried.
 REFUSED = [({"wrap": wrap, "offload": "cpu"}, "offload=cpu moves FSDP parameters between an accelerator and the CPU")
            for wrap in ("fsdp", "fsdp2", "hsdp", "tp")] + \
-          [({"wrap": "tp", "frozen": "lora"}, "the TP plan's entry 'lm_head' matches no module of PeftModelForCausalLM")]
+          [({"wrap": "tp", "frozen": "lora"}, "the TP plan's entry 'lm_head' matches no module of PeftModelForCausalLM"),
+           ({"backend": "horovod", "compile": "on"}, "hydraddp does not compile under Horovod"),
+           ({"backend": "horovod", "precision": "bf16-true"}, "Horovod 0.28.1 has no bfloat16 collectives")]
 
-WRAPS = {"ddp": ["wrap=ddp"], "fsdp": ["wrap=fsdp"], "fsdp2": ["wrap=fsdp2"],
+BACKENDS = {"gloo": ["backend=gloo"], "horovod": ["backend=horovod"],
+            "none": ["backend=none", "launcher.nproc_per_node=1"]}
+POOLS = {"gloo": "gloo", "horovod": "horovod", "none": None}  # the reused workers each backend's rows run on
+WRAPS = {"auto": ["wrap=auto"], "ddp": ["wrap=ddp"], "fsdp": ["wrap=fsdp"], "fsdp2": ["wrap=fsdp2"],
          "hsdp": ["wrap=fsdp2", "mesh.dp_replicate=2", "mesh.dp_shard=1"],
          "tp": ["wrap=fsdp2", "mesh.dp_shard=1", "mesh.tp=2"]}
 STEPS, STOP = 4, 2
@@ -54,8 +65,18 @@ COMMON = ["data=tokens", "task=causal_lm", "data.seq_len=16", "data.batch_size=8
 
 
 def _allowed(row: dict[str, str]) -> bool:
+    """Whether a row (or part of one) may be generated: not EXCLUDED, and not refused by the combination rules."""
+    from hydraddp.parallel.combinations import Combination, check_compatibility
+
     values = set(row.items())
-    return not any(a in values and b in values for a, b in EXCLUDED)
+    if any(a in values and b in values for a, b in EXCLUDED):
+        return False
+    backend = row.get("backend", FACTORS["backend"][0])
+    wrap = WRAPS[row.get("wrap", "auto")][0].split("=")[1]  # hsdp and tp are fsdp2 over a mesh
+    combo = Combination(backend=backend, wrap=wrap, precision=row.get("precision", "fp32"),
+                        offload=row.get("offload", "none"), compile=row.get("compile") == "on",
+                        world_size=1 if backend == "none" else 2, has_horovod=True)  # CPU ranks, Horovod built
+    return not check_compatibility(combo)
 
 
 def covering_array(factors: dict[str, tuple[str, ...]]) -> list[dict[str, str]]:
@@ -91,11 +112,12 @@ def test_the_rows_cover_every_allowed_pair():
         for x, y in itertools.product(FACTORS[a], FACTORS[b]):
             covered = any(row[a] == x and row[b] == y for row in PAIRWISE)
             assert covered == _allowed({a: x, b: y}), (a, x, b, y)
-    assert len(PAIRWISE) <= 20
+    assert len(PAIRWISE) <= 24
 
 
 def overrides_of(row: dict[str, str], pretrained_dir: Path) -> list[str]:
-    chosen = [*COMMON, *WRAPS[row["wrap"]], f"precision={row['precision']}", f"model.init_device={row['init_device']}",
+    chosen = [*COMMON, *BACKENDS[row["backend"]], *WRAPS[row["wrap"]], f"precision={row['precision']}",
+              f"model.init_device={row['init_device']}",
               f"trainer.accumulate_grad_batches={row['accumulate']}",
               f"trainer.activation_checkpointing={str(row['checkpointing'] == 'on').lower()}",
               f"trainer.compile={str(row['compile'] == 'on').lower()}",
@@ -140,9 +162,15 @@ class Launches:
             claim.release()
 
     def run(self, planned: dict) -> dict:
-        """``planned``: name -> LaunchPlan. Each one's ranks, then each one's run, as its tracker keeps it."""
-        launches = [(name, plan.config, str(plan.job_dir), plan.saved_config) for name, plan in planned.items()]
-        outcomes = self.pools.run("tests.train.workers:matrix_rows", launches, timeout=900)[0]
+        """``planned``: name -> LaunchPlan. Each one's ranks on its backend's workers, then each one's run, as its
+        tracker keeps it."""
+        outcomes = {}
+        for pool in dict.fromkeys(POOLS.values()):
+            launches = [(name, plan.config, str(plan.job_dir), plan.saved_config) for name, plan in planned.items()
+                        if POOLS[plan.config["backend"]["name"]] == pool]
+            if launches:
+                outcomes.update(self.pools.run("tests.train.workers:matrix_rows", launches, backend=pool,
+                                               timeout=900)[0])
         for name, plan in planned.items():
             outcomes[name]["run"] = self._track(plan, outcomes[name]["status"])
         return outcomes
@@ -162,6 +190,19 @@ class Launches:
         return run.run_id, MlflowClient(self.uri).get_run(run.run_id).info.status
 
 
+@pytest.fixture(scope="module", autouse=True)
+def horovod_pool(pools):
+    """The Horovod rows' workers live for this file only: Horovod's background loop negotiates while they wait."""
+    yield
+    pools(backend="horovod").close()
+
+
+def _absent_backends() -> tuple[str, ...]:
+    from hydraddp.distributed import has_hvd_support
+
+    return () if has_hvd_support or os.environ.get("CI") else ("horovod",)  # CI always builds Horovod
+
+
 def _refusal(problems) -> str:
     return "; ".join(f"{', '.join(p.keys)}: {p.message}" for p in problems)
 
@@ -171,8 +212,10 @@ def test_every_pair_of_options_trains_with_every_default_on_or_is_refused_by_a_s
                                                                                           pretrained_dir, capsys):
     launches = Launches(pools, tmp_path)
     names = [f"row{i:02d}" for i in range(len(ROWS))]
-    planned, refused = {}, {}
+    planned, refused, absent = {}, {}, _absent_backends()
     for name, row in zip(names, ROWS):
+        if row["backend"] in absent:
+            continue
         overrides = overrides_of(row, pretrained_dir)
         if row["stop_resume"] == "on":  # the same row without the stop, to end where it ends
             overrides_whole, overrides = overrides, [*overrides, f"trainer.stop_at_step={STOP}"]
@@ -195,10 +238,12 @@ def test_every_pair_of_options_trains_with_every_default_on_or_is_refused_by_a_s
             resumed[name + "-resumed"] = again
     outcomes.update(launches.run(resumed) if resumed else {})
 
-    table = _table(names, outcomes, refused)
+    table = _table(names, outcomes, refused, absent)
     with capsys.disabled():
         print("\n" + table)
     for index, (name, row) in enumerate(zip(names, ROWS)):
+        if row["backend"] in absent:
+            continue
         if index in EXPECTED_REFUSAL:
             assert EXPECTED_REFUSAL[index] in refused.get(name, ""), (name, row, refused.get(name), outcomes.get(name))
             continue
@@ -217,11 +262,13 @@ def test_every_pair_of_options_trains_with_every_default_on_or_is_refused_by_a_s
                 (name, row, last["losses"], whole["losses"])
 
 
-def _table(names: list[str], outcomes: dict, refused: dict) -> str:
+def _table(names: list[str], outcomes: dict, refused: dict, absent: tuple[str, ...]) -> str:
     columns = list(FACTORS)
     lines = [" | ".join(["row", *columns, "outcome"]), " | ".join(["---"] * (len(columns) + 2))]
     for name, row in zip(names, ROWS):
-        if name in refused:
+        if row["backend"] in absent:
+            outcome = f"skipped: backend={row['backend']} is not installed here"
+        elif name in refused:
             outcome = f"refused: {refused[name]}"
         else:
             last = outcomes.get(name + "-resumed", outcomes[name])

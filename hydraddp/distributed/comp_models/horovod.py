@@ -185,3 +185,22 @@ class _HorovodDistModel(ComputationModel):
 
     def _rank_not_in_group(self, group: Any | None) -> bool:
         return group is not None and not group.included()
+
+
+def accept_set_to_none(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give a ``hvd.DistributedOptimizer`` torch's ``zero_grad(set_to_none=True)`` signature, in place.
+
+    Horovod 0.28.1's ``zero_grad(self)`` takes no argument, yet torch.distributed.checkpoint's optimizer state dict
+    calls ``zero_grad(set_to_none=True)`` (a resume, or saving a stateless optimizer) and raised a TypeError.
+    Horovod's own check, no zeroing while allreduces are pending, still runs first.
+    """
+    cls = type(optimizer)  # Horovod makes a new class per wrapped optimizer, so patching it touches no other
+    horovod_zero_grad = cls.__dict__["zero_grad"]
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if self._handles:
+            horovod_zero_grad(self)  # raises Horovod's AssertionError: zeroing now would race the allreduces
+        super(cls, self).zero_grad(set_to_none=set_to_none)
+
+    cls.zero_grad = zero_grad
+    return optimizer
