@@ -59,6 +59,11 @@ def _leads_here(cfg: DictConfig) -> bool:
 
 
 JOB_DIR_KEY = "hydraddp/job_dir"
+ATTEMPTS_KEY = "hydraddp/attempts"
+
+
+def _run_key(key: str) -> str:
+    return f"{key}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 def job_dir_from_agent(proposed: str) -> str | None:
@@ -67,27 +72,52 @@ def job_dir_from_agent(proposed: str) -> str | None:
     The first caller sets it; the agent's store outlives restarts, so a restarted group, whose processes
     composed new directories, gets the first attempt's back, and finds its checkpoints there.
     """
+    found = _ask_agent(proposed, count_attempt=False)
+    return found[0] if found is not None else None
+
+
+def _ask_agent(proposed: str, count_attempt: bool) -> tuple[str, int] | None:
+    """The agreed job directory, and (``count_attempt``) which attempt of the launch this is, 1 for the first, as
+    counted in the agent's store by each attempt's rank 0 (else 0); None when no agent started us."""
     from hydraddp.distributed.comp_models.native import agent_store
 
     store = agent_store()
     if store is None:
         return None
-    return store.compare_set(f"{JOB_DIR_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", "", proposed).decode()
+    agreed = store.compare_set(_run_key(JOB_DIR_KEY), "", proposed).decode()
+    return agreed, store.add(_run_key(ATTEMPTS_KEY), 1) if count_attempt else 0
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
 
 
 def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
     """The launch's job directory, and whether this is a restart. Rank 0 under torchrun asks the agent: after
-    ``torchrun --max-restarts`` restarted the group, it goes on in the first attempt's directory, with that
-    attempt's run and checkpoints, and the directory Hydra just made is removed (``remove_untouched``)."""
+    ``torchrun --max-restarts`` restarted the group (or an elastic job lost a node), it goes on in the first
+    attempt's directory, with that attempt's run and checkpoints. A directory Hydra just made elsewhere is removed
+    (``remove_untouched``); the agreed one never is.
+
+    A restart is known by what travels with the job, not by the directory (a fixed ``hydra.run.dir`` composes the
+    same one every time): the attempts the agent's store counts, or torch's restart count with the first attempt's
+    run id in the directory. The latter when the lost node was rank 0's: the workers' store was its agent's, and
+    the survivor's agent starts a new one (torch 2.13), so only a directory every attempt names finds that run.
+    """
     attached = detect_launch_env()
     # At world size 1 too: an elastic job (--nnodes=1:2) that lost a node goes on alone, in the same directory and run.
     if attached is None or attached.rank != 0:
         return job_dir, False
-    agreed = job_dir_from_agent(str(job_dir))
-    if agreed is None or Path(agreed) == job_dir:
+    found = _ask_agent(str(job_dir), count_attempt=True)  # once per attempt: only here
+    if found is None:
         return job_dir, False
-    remove_untouched(job_dir)
-    return Path(agreed), True
+    from hydraddp.train.resume import restart_count  # (torch is in: the agent's store is torch's)
+
+    agreed, attempt = Path(found[0]), found[1]
+    elsewhere = not _same_dir(agreed, job_dir)
+    if elsewhere:
+        remove_untouched(job_dir)
+    left_a_run = restart_count() > 0 and (agreed / names.RUN_ID_FILE).exists()
+    return agreed, elsewhere or attempt > 1 or left_a_run
 
 
 def _restart_point(cfg: DictConfig, job_dir: Path) -> dict[str, Any] | None:

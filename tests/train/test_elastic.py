@@ -33,12 +33,14 @@ class Node:
     """One node of the job: torchrun's elastic agent with one worker, started in the shared directory ``root`` (the
     storage every node sees: the job directory, checkpoint.dir and the SQLite store)."""
 
-    def __init__(self, root: Path, endpoint: str, token: str, name: str):
+    def __init__(self, root: Path, endpoint: str, token: str, name: str, *overrides: str,
+                 local_addr: str | None = None):
         self.out = root / f"{name}.out"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+        address = [f"--local_addr={local_addr}"] if local_addr else []  # ranks follow the agents' addresses, then pids
+        command = [sys.executable, "-m", "torch.distributed.run", *address, "--nnodes=1:2", "--nproc_per_node=1",
                    "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=elastic", "--max_restarts=3",
                    # how long a rendezvous waits for more nodes once it has the fewest it may run with
-                   "--rdzv_conf=last_call_timeout=5", "-m", "hydraddp", *TRAINING]
+                   "--rdzv_conf=last_call_timeout=5", "-m", "hydraddp", *TRAINING, *overrides]
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(command, cwd=root, env=child_env(token), stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -117,15 +119,23 @@ def _assert_one_run_through_every_step(root: Path, world_before: str, world_afte
     return change
 
 
-def test_a_lost_node_costs_a_restart_and_the_job_finishes_in_the_same_run(job):
+# Hydra's own directories, losing the node that is not rank 0's (its agent keeps the workers' store, with the agreed
+# directory). Or one fixed directory that every agent names (hydra.run.dir=/shared/runs/JOB, as on a cluster; under
+# outputs/ for the helpers' globs), losing rank 0's node: the survivor's rank 0 composes the first attempt's directory
+# again, and the workers' store is gone with the lost agent (torch 2.13's survivor starts a new one). On 127.0.0.1,
+# node 1's agent sorts first: its worker is rank 0.
+@pytest.mark.parametrize("fixed", [False, True], ids=["composed-dirs", "fixed-dir-rank-0s-node-lost"])
+def test_a_lost_node_costs_a_restart_and_the_job_finishes_in_the_same_run(job, fixed):
     root, endpoint, token = job
-    first = Node(root, endpoint, token, "node0")
+    overrides = [f"hydra.run.dir={root / 'outputs' / 'runs' / 'elastic'}"] if fixed else []
+    addresses = ("localhost", "127.0.0.1") if fixed else (None, None)
+    first = Node(root, endpoint, token, "node0", *overrides, local_addr=addresses[0])
     time.sleep(1)  # node 0's agent hosts the rendezvous store, which must outlive the lost node
-    second = Node(root, endpoint, token, "node1")
+    second = Node(root, endpoint, token, "node1", *overrides, local_addr=addresses[1])
     nodes = [first, second]
     _wait_for(lambda: _logged_step(root) >= 2 * EVERY + 5, "step 25 at world size 2", nodes)
+    assert ("[rank0]" in second.output()) == fixed, "the lost node is not the one this test means to lose"
     second.kill()
     _finish(first, nodes, token)
     change = _assert_one_run_through_every_step(root, world_before="2", world_after="1")
     assert change["step"] >= 2 * EVERY  # at most the steps since the last checkpoint are lost
-
