@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hydraddp.config.overrides import normalize_overrides
-from hydraddp.distributed.env import detect_launch_env, slurm_allocation_outside_step
+from hydraddp.distributed.env import JOIN_TIMEOUT_ENV, detect_launch_env, slurm_allocation_outside_step
 from hydraddp.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED, EXIT_WORKER_FAILED
 from hydraddp.tracking import names
 
@@ -77,8 +77,12 @@ def _ended(outcome: dict[str, Any], sweeping: bool, code: int) -> dict[str, Any]
         if code != EXIT_OK:
             raise LaunchEnded(code)
         return outcome
+    from hydraddp.clusters import submitit as submitit_task
+
     launch = detect_launch_env()
     job_dir = Path(outcome["job_dir"])
+    if submitit_task.in_task() and (launch is None or launch.rank == 0):
+        job_dir.mkdir(parents=True, exist_ok=True)  # even refused: the submitting command reads how its job ended here
     if (launch is None or launch.rank == 0) and job_dir.is_dir():
         (job_dir / OUTCOME_FILE).write_text(json.dumps(outcome, indent=1, default=str))
     return outcome
@@ -101,13 +105,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydraddp.preflight import claim
 
     try:
-        plan = prepare(cfg, job_dir, overrides, sweeping, hydra_cfg.job.get("num") or 0, _remove_if_untouched)
+        try:
+            plan = prepare(cfg, job_dir, overrides, sweeping, hydra_cfg.job.get("num") or 0, _remove_if_untouched)
+        except Exception as exc:
+            _tell_peers(cfg, f"{type(exc).__name__}: {exc}")
+            raise
         if isinstance(plan, list):
             _report_problems(plan, job_dir)
+            _tell_peers(cfg, f"invalid configuration: {str(plan[0]).strip()}")
             return _ended({**outcome, "status": "invalid", "error": str(plan[0])}, sweeping, EXIT_INVALID)
         return _start(plan, outcome)
     finally:
         claim.release()  # the checkpoint.dir preflight claimed for this launch: the next launch (or job) may use it
+
+
+def _tell_peers(cfg: DictConfig, reason: str) -> None:
+    """This rank of an attached launch (srun, submitit) will not start: the others, waiting for it to form the group,
+    end now with ``reason`` rather than at ``launcher.timeout`` (under torchrun its agent stops them)."""
+    launch = detect_launch_env()
+    if launch is None or launch.world_size == 1:
+        return
+    import datetime
+
+    from hydraddp.distributed.join import refuse
+
+    timeout = cfg.launcher.get("timeout")
+    refuse(reason, datetime.timedelta(seconds=timeout if isinstance(timeout, (int, float)) and timeout > 0 else 600))
 
 
 def _start(plan: Any, outcome: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +139,7 @@ def _start(plan: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     for warning in plan.warnings:
         print(f"hydraddp: warning: {warning}", file=sys.stderr, flush=True)
     os.environ[names.LAUNCHED_AT_ENV] = repr(plan.started_at)  # the workers' perf/startup_s counts from here
+    os.environ[JOIN_TIMEOUT_ENV] = str(plan.config["launcher"]["timeout"])  # how long attached ranks wait for peers
     slurm_job = slurm_allocation_outside_step()
     if slurm_job is not None:
         print(f"hydraddp: in Slurm job {slurm_job} but not in an srun step: launching "
@@ -152,6 +176,10 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
         if preempted is not None:
             # torch's agent got the signal too: it passed it on, waited for the workers' checkpoint, then raised
             return _stop_preempted(preempted, plan, tracker, outcome, rank=0)
+        from hydraddp.distributed.join import GroupNotFormedError
+
+        if isinstance(exc, GroupNotFormedError):
+            return _group_not_formed(exc, plan, tracker, outcome)
         attached = detect_launch_env()
         if attached is not None and isinstance(exc, Exception):
             # Attached (torchrun, srun), this process is the worker: its failure is a worker's (exit 1), not a
@@ -200,6 +228,25 @@ def _worker_failed(exc: Any, plan: Any, tracker: Any, outcome: dict[str, Any]) -
     return _ended({**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
                    "run_id": tracker.run_id if tracker else None}, plan.sweeping,
                   EXIT_INVALID if invalid else EXIT_WORKER_FAILED)
+
+
+def _group_not_formed(exc: Any, plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Another rank refused to start, or never joined: one line and exit 1, no traceback (the cause is in that rank's
+    log, not here)."""
+    from hydraddp.tracking.run import FAILED
+
+    if exc.refused_by is not None:
+        why = f"rank {exc.refused_by} refused to start: {exc.reason}"
+    else:
+        why = f"rank {', '.join(map(str, exc.missing))} did not join within launcher.timeout={exc.timeout_s:g} s"
+    first = exc.refused_by if exc.refused_by is not None else exc.missing[0]
+    message = f"{why}: see rank {first}'s log"
+    rank = getattr(detect_launch_env(), "rank", "?")
+    print(f"hydraddp: rank {rank} stopped before training: {message}", file=sys.stderr, flush=True)
+    if tracker:
+        tracker.finish(FAILED, error=message, timeout_s=plan.config["tracking"]["flush_timeout_s"])
+    return _ended({**outcome, "status": "failed", "error": message, "run_id": tracker.run_id if tracker else None},
+                  plan.sweeping, EXIT_WORKER_FAILED)
 
 
 def _mfu(mfu: float | None) -> str:

@@ -47,6 +47,7 @@ class LauncherConfig:
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None
     max_restarts: int = 0
+    timeout: float = 600.0  # seconds the ranks of an attached launch wait for each other to form the group
 
 
 @dataclass

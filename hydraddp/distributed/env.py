@@ -11,6 +11,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# ignite's default: every rank started with RANK/WORLD_SIZE but no MASTER_PORT meets on this port.
+DEFAULT_MASTER_PORT = 15000
+# Seconds every rank of an attached launch waits for the others to form the group (``launcher.timeout``): the CLI
+# sets it, the native model reads it (``join.join_timeout``). Here, so the CLI sets it without torch.
+JOIN_TIMEOUT_ENV = "HYDRADDP_JOIN_TIMEOUT_S"
+
 
 @dataclass(frozen=True)
 class LaunchEnv:

@@ -279,7 +279,7 @@ MINIMUMS = {
     "precision.growth_interval": 1, "tracking.per_rank_table_above": 1, "tracking.model.max_copy_mb": 0,
 }
 POSITIVE = ("trainer.grad_clip", "trainer.peak_tflops", "tracking.flush_timeout_s", "precision.init_scale",
-            "tracking.system_metrics.interval_s")
+            "tracking.system_metrics.interval_s", "launcher.timeout")
 NULLABLE = ("trainer.grad_clip", "trainer.peak_tflops")  # null: off (clipping), the table (the peak)
 
 

@@ -9,11 +9,12 @@ import os
 import re
 import signal
 import sys
+import time
 
 import pytest
 
 from tests.clusters.test_preemption import STEPS, final_params, logged, run_of
-from tests.helpers.spawn import NO_MODEL, NO_PLAN, interrupt_when, run_cli
+from tests.helpers.spawn import NO_MODEL, NO_PLAN, UNTRACKED, interrupt_when, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -85,6 +86,25 @@ def test_a_preempted_job_checkpoints_requeues_through_submitit_and_resumes_into_
     [plain_job] = sorted(p.parent for p in (tmp_path / "plain").glob("outputs/*/*/.hydra"))
     expected, got = final_params(plain_job), final_params(job)
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-6
+
+
+def test_a_rank_0_that_refuses_after_submission_ends_the_other_task_at_once(tmp_path):
+    # As after a requeue on a cluster: only rank 0 checks the checkpoint it resumes, and finds it corrupt. The other
+    # task, attached and waiting for rank 0 to form the group, is told, and ends long before launcher.timeout.
+    from tests.clusters.test_refusal import corrupt_checkpoint
+
+    timeout = 300
+    checkpoint = corrupt_checkpoint(tmp_path / "elsewhere")
+    started = time.monotonic()
+    done = run_cli(*LOCAL, UNTRACKED, f"checkpoint.resume={checkpoint}", f"launcher.timeout={timeout}", cwd=tmp_path,
+                   timeout=timeout)
+    wall = time.monotonic() - started
+    assert done.returncode == 2, done.stderr[-3000:]  # rank 0's refusal is the job's outcome
+    assert "the submitit job ended invalid" in done.stderr and "unreadable meta.json" in done.stderr
+    [rank1] = tmp_path.glob("multirun/*/*/.submitit/*/*_1_log.err")
+    assert "rank 1 stopped before training: rank 0 refused to start" in rank1.read_text()
+    assert wall < timeout / 2, wall
+    print(f"submitit refusal: the job ended after {wall:.1f} s (launcher.timeout={timeout}); exit {done.returncode}")
 
 
 def test_a_tracking_file_with_a_launcher_for_other_machines_is_refused_before_submission(tmp_path):

@@ -143,3 +143,26 @@ def test_nccl_groups_get_a_gloo_side_for_cpu_tensors_and_keep_ignites_backend_na
     assert with_cpu_side("nccl") == "cuda:nccl,cpu:gloo"  # offloaded FSDP2 clips CPU DTensors on this group
     assert with_cpu_side("gloo") == "gloo"
     assert backend_name(with_cpu_side("nccl")) == "nccl" and backend_name("gloo") == "gloo"
+
+
+def test_the_join_timeout_is_the_argument_else_launcher_timeout_else_torchs_default(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from hydraddp.distributed.join import join_timeout
+    from hydraddp.distributed.env import JOIN_TIMEOUT_ENV
+
+    monkeypatch.delenv(JOIN_TIMEOUT_ENV, raising=False)
+    assert join_timeout(None) == dist.default_pg_timeout
+    monkeypatch.setenv(JOIN_TIMEOUT_ENV, "20.0")  # what the CLI sets from launcher.timeout
+    assert join_timeout(None) == datetime.timedelta(seconds=20)
+    assert join_timeout(datetime.timedelta(seconds=5)) == datetime.timedelta(seconds=5)
+
+
+def test_a_group_that_did_not_form_names_the_rank_to_look_at():
+    from hydraddp.distributed.join import GroupNotFormedError
+
+    assert str(GroupNotFormedError(20, (0,))) == "rank 0 did not join within 20 s: see rank 0's log"
+    refused = GroupNotFormedError(20, refused_by=0, reason="checkpoint.resume: unreadable meta.json")
+    assert str(refused) == "rank 0 refused to start: checkpoint.resume: unreadable meta.json: see rank 0's log"

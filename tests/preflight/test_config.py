@@ -54,7 +54,9 @@ def test_a_typed_nproc_per_node_that_srun_did_not_start_is_refused(tmp_path):
     srun_step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                  "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
                  "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "127.0.0.1"}
-    done = run_cli("launcher.nproc_per_node=8", cwd=tmp_path, timeout=60, env=srun_step)
+    # Rank 0 of the step starts alone here: a refusing rank 0 waits for the others to hear of it (up to 15 s, or
+    # launcher.timeout), and none comes.
+    done = run_cli("launcher.nproc_per_node=8", "launcher.timeout=2", cwd=tmp_path, timeout=60, env=srun_step)
     assert done.returncode == 2, done.stderr
     assert "launcher.nproc_per_node=8, but slurm started 1 task(s) on this node" in done.stderr
     assert "srun --ntasks-per-node=8" in done.stderr and "Drop launcher.nproc_per_node" in done.stderr

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -13,14 +15,13 @@ import torch
 import torch.distributed as dist
 
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
-from hydraddp.distributed.env import LaunchEnv, detect_launch_env, free_port
+from hydraddp.distributed.env import DEFAULT_MASTER_PORT, LaunchEnv, detect_launch_env, free_port
+from hydraddp.distributed.join import join, join_timeout
 from hydraddp.parallel.machine import rank_device_index
 
 NCCL, GLOO, MPI = "nccl", "gloo", "mpi"
 NATIVE_BACKENDS = (NCCL, GLOO, MPI)
 has_native_dist_support = dist.is_available()
-# ignite's default: every rank started with RANK/WORLD_SIZE but no MASTER_PORT meets on this port.
-DEFAULT_MASTER_PORT = 15000
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 _OPS = {
@@ -208,6 +209,10 @@ class _NativeDistModel(ComputationModel):
         if timeout is not None:
             init_kwargs["timeout"] = timeout
         store = _attempt_store(timeout) if init_method == "env://" and "store" not in init_kwargs else None
+        if store is None and init_method == "env://" and "store" not in init_kwargs and launch.world_size > 1:
+            # Attached without an agent (srun, submitit, RANK/WORLD_SIZE by hand): rank 0's store, as env:// makes it
+            store = join(launch, wanted["MASTER_ADDR"], int(port), join_timeout(timeout))
+            store.set_timeout(timeout or dist.default_pg_timeout)  # the group's own waits: as env:// would have them
         requested, backend = backend, with_cpu_side(backend)
         if store is not None:
             dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, store=store,
