@@ -103,8 +103,11 @@ class Lease:
                 os.unlink(self.path)
 
 
-def acquire(path: Path, job_dir: str = "") -> Lease | None:
+def acquire(path: Path, job_dir: str = "", succeeds_own: bool = False) -> Lease | None:
     """Take the lease on ``path`` when it is free or its holder is gone; None while another process holds it.
+    ``succeeds_own``: this process goes on with ``job_dir``'s work after its earlier holder ended (a restart of the
+    same launch: torch's agent restarted the group), so a lease held for ``job_dir`` is taken at once, on whichever
+    node that holder ran.
 
     >>> lease = acquire(Path("/shared/ckpt/.hydraddp-claim"), job_dir="/jobs/a")
     """
@@ -117,7 +120,7 @@ def acquire(path: Path, job_dir: str = "") -> Lease | None:
         seen = _read(path)
         if seen.identity is None:
             continue  # released meanwhile: create it again
-        if not _gone(seen):
+        if not (_gone(seen) or succeeds_own and job_dir and seen.record.get("job_dir") == job_dir):
             return None
         _take_over(path, seen)  # at most one taker removes it; then every taker tries to create it
     return None

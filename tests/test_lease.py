@@ -158,6 +158,24 @@ def test_a_holder_killed_on_another_node_is_taken_over_once_its_lease_expires(tm
     taken.release()
 
 
+def test_a_restarted_launch_takes_its_own_claim_from_a_lost_node_at_once_and_no_other_launch_does(tmp_path):
+    """An elastic job that lost rank 0's node goes on with rank 0 on another node: that restart claims its own
+    ``checkpoint.dir`` at once, though the lost node's lease has not expired; a restart of another launch, or a
+    launch that is no restart, is still refused until it does."""
+    from hydraddp.preflight import claim
+
+    root = tmp_path / "ckpt"
+    with Racers(1, host="lost-node") as racers:  # the lease lasts its default minute
+        assert racers.ask(f"claim {root} /jobs/a") == ["won"]
+        racers.kill(racers.procs[0])
+    assert claim.claim(root, Path("/jobs/a"))["host"] == "lost-node"  # no restart: refused
+    assert claim.claim(root, Path("/jobs/b"), restarted=True)["host"] == "lost-node"  # another launch's restart
+    assert claim.claim(root, Path("/jobs/a"), restarted=True) is None
+    assert claim.holder(root)["host"] == socket.gethostname() and claim.holder(root)["job_dir"] == "/jobs/a"
+    claim.release(root)
+    assert not (root / claim.CLAIM).exists()
+
+
 def test_renewals_keep_a_live_holders_lease_past_its_duration(tmp_path):
     path = tmp_path / "lease"
     with Racers(1, host="other-node", duration=2.0, renew=0.2) as racers:

@@ -19,15 +19,17 @@ CLAIM = ".hydraddp-claim"
 _held: dict[Path, lease.Lease] = {}  # root -> this process's lease on it
 
 
-def claim(root: Path, job_dir: Path) -> dict[str, Any] | None:
+def claim(root: Path, job_dir: Path, restarted: bool = False) -> dict[str, Any] | None:
     """Claim ``root`` for the launch of ``job_dir`` until ``release``. None when this process holds it now; else
-    what the launch holding it recorded (``job_dir``, ``host``, ``pid``, ``since``; empty while it is writing them)."""
+    what the launch holding it recorded (``job_dir``, ``host``, ``pid``, ``since``; empty while it is writing them).
+    ``restarted``: torch's agent restarted this launch, whose earlier attempt held the claim; it is taken at once,
+    also when that attempt's rank 0 ran on a node that is gone (an elastic job that lost it)."""
     root = Path(root)
     if root in _held:
         return None
     root.mkdir(parents=True, exist_ok=True)
     try:
-        taken = lease.acquire(root / CLAIM, job_dir=str(job_dir))
+        taken = lease.acquire(root / CLAIM, job_dir=str(job_dir), succeeds_own=restarted)
     except OSError as exc:
         # A folder this process cannot create a file in: training there fails on its own, with its own error.
         log.warning("checkpoint.dir=%s cannot be claimed (%s): a concurrent launch into it is not refused", root, exc)

@@ -18,7 +18,7 @@ def checkpoint_root_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[
     """The leading process claims an explicit ``checkpoint.dir`` for the whole launch (``claim``: released when the
     launch ends), then looks for another launch's checkpoints there under that claim. (The default root is in the
     launch's own job directory; a restart goes on in the first attempt's, whose checkpoints are its own.)"""
-    found = claim_problems(cfg, job_dir)
+    found = claim_problems(cfg, job_dir, restarted)
     if not found and not restarted:
         found = collision_problems(cfg, job_dir, resumed_from)
     if found:
@@ -26,13 +26,13 @@ def checkpoint_root_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[
     return found
 
 
-def claim_problems(cfg: DictConfig, job_dir: Path) -> list[Problem]:
+def claim_problems(cfg: DictConfig, job_dir: Path, restarted: bool = False) -> list[Problem]:
     """Refuse a launch into a ``checkpoint.dir`` that another launch, running now, writes: both would pass
     ``collision_problems`` at their start, then write the same steps, each over the other's."""
     if not cfg.checkpoint.dir:
         return []
     root = Path(cfg.checkpoint.dir)
-    other = claim.claim(root, job_dir)
+    other = claim.claim(root, job_dir, restarted)
     if other is None:
         return []
     who = ", ".join(f"{key} {other[key]}" for key in ("job_dir", "host", "pid") if key in other) or "starting now"
