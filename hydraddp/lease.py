@@ -199,7 +199,7 @@ def _gone(seen: _Seen) -> bool:
         return now - seen.mtime > DURATION_S  # (or is writing it now)
     # Its pid means something only where its pids do: its host, and its container's pid namespace there.
     here = record.get("host") == socket.gethostname() and record.get("pid_namespace") == _pid_namespace()
-    if here and not _alive(record.get("pid")):
+    if here and not alive(record.get("pid")):
         return True
     return now > record["expires"]
 
@@ -211,7 +211,8 @@ def _pid_namespace() -> int | None:
         return None
 
 
-def _alive(pid: Any) -> bool:
+def alive(pid: Any) -> bool:
+    """Whether process ``pid`` of this host (and pid namespace) runs: a zombie its parent has not reaped is dead."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

@@ -215,21 +215,11 @@ def fail_orphans(study: Any) -> list[int]:
     host, failed = socket.gethostname(), []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial.system_attrs.get(OWNER)
-        if owner and owner.get("host") == host and not _alive(int(owner["pid"])):
+        if owner and owner.get("host") == host and not lease.alive(int(owner["pid"])):
             study._storage.set_trial_user_attr(trial._trial_id, ERROR, "its sweeper died while it ran")
             study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
             failed.append(trial.number)
     return failed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def run_trial(overrides: list[str], job_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
