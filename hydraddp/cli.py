@@ -72,7 +72,8 @@ def _report_problems(problems: list, job_dir: Path) -> None:
 def _ended(outcome: dict[str, Any], sweeping: bool, code: int) -> dict[str, Any]:
     """The end of a launch: its exit code, or in a sweep its outcome (the sweep goes on), which is kept in the job
     directory too: a launcher that runs the jobs elsewhere (submitit) gives the sweep's summary nothing else to read.
-    (An invalid job's directory is gone: nothing is left there.)"""
+    (An invalid job's directory is gone: nothing is left there.) A submitit task whose launch was refused or failed
+    then fails for submitit and Slurm (``clusters.submitit.fail``); a preempted one was requeued before this."""
     if not sweeping:
         if code != EXIT_OK:
             raise LaunchEnded(code)
@@ -85,6 +86,8 @@ def _ended(outcome: dict[str, Any], sweeping: bool, code: int) -> dict[str, Any]
         job_dir.mkdir(parents=True, exist_ok=True)  # even refused: the submitting command reads how its job ended here
     if (launch is None or launch.rank == 0) and job_dir.is_dir():
         (job_dir / OUTCOME_FILE).write_text(json.dumps(outcome, indent=1, default=str))
+    if submitit_task.in_task() and code not in (EXIT_OK, EXIT_PREEMPTED):
+        submitit_task.fail(getattr(launch, "rank", 0), code, str(outcome.get("error", outcome.get("status"))))
     return outcome
 
 

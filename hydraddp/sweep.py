@@ -103,6 +103,9 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if _submitit(config):
+            from hydraddp.clusters.submitit import wait_for_every_job
+
+            wait_for_every_job()  # a failed job (FailedJobError) is reported from its outcome.json, as the others
             found = _before_submission_problems(config)
             if found:
                 from hydraddp.cli import LaunchEnded

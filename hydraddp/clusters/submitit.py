@@ -5,14 +5,18 @@ Each submitit task is one rank of the job's world: it attaches to it with submit
 the same step, rank 0 hands over to submitit's own handler, which pickles the job again and requeues it
 (``scontrol requeue`` on Slurm, the local controller's requeue code locally); the requeued job resumes from the
 job directory's preemption marker (``hydraddp.train.preemption``).
+
+A task whose launch was refused or failed fails for submitit and Slurm too (``fail``), and the submitting command
+still waits for every job and reports each from its ``outcome.json`` (``wait_for_every_job``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
-from typing import NoReturn
+from typing import Any, Callable, NoReturn
 
 # The hydra/launcher options that run jobs through submitit: the plugin's two and hydraddp's preset.
 LAUNCHERS = ("submitit_local", "submitit_slurm", "slurm")
@@ -74,3 +78,78 @@ def requeue(rank: int, exit_code: int) -> NoReturn:
         if callable(handler):
             handler(signum, None)  # requeues, then exits (raises if submitit will not requeue)
     sys.exit(exit_code)
+
+
+def fail(rank: int, exit_code: int, reason: str) -> NoReturn:
+    """This task's launch ended with ``exit_code`` (2 invalid, 1 a worker failed): record it as submitit records a
+    function that raised, an ``("error", ...)`` result pickle (the submitting side's ``job.results()`` raises
+    ``FailedJobError``, ``job.exception()`` returns it), then exit with ``exit_code``: a task that exits non-zero
+    makes Slurm's job state FAILED, not COMPLETED.
+
+    Raising from the task function cannot do it: Hydra's ``run_job`` catches the function's exceptions and returns
+    them in a ``JobReturn``, which submitit then pickles as a success. (A preempted task is not failed: submitit
+    requeues it, ``requeue``.)"""
+    from submitit import JobEnvironment
+    from submitit.core import utils
+    from submitit.core.logger import get_logger
+
+    message = f"hydraddp: rank {rank}'s launch ended with exit {exit_code}: {reason}"
+    with utils.temporary_save_path(JobEnvironment().paths.result_pickle) as tmppath:  # as submitit writes it
+        utils.cloudpickle_dump(("error", message), tmppath)
+    get_logger().error(f"Job failed: exit {exit_code} (see above)")  # in the task's log, where submitit logs its own
+    sys.exit(exit_code)
+
+
+def every_job(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``launch`` (the plugin's ``BaseSubmititLauncher.launch``), for the submitting command: it gathers its jobs'
+    results with ``job.results()``, and the first failed job's ``FailedJobError`` would end it, the jobs after it
+    not waited for and the sweep ended by Hydra's traceback, before any summary. Here every job is waited for, and a
+    failed one comes back as a JobReturn like the others (COMPLETED: Hydra's sweeper raises a FAILED one's value),
+    holding ``{"status": "failed", ...}``; how each job ended is in its ``outcome.json``, which the summary and the
+    single launch's report read (``hydraddp.sweep``). Only ``FailedJobError`` is caught: a job that produced no
+    result at all (``UncompletedJobError``) still ends the command."""
+
+    @functools.wraps(launch)
+    def launch_every_job(*args: Any, **kwargs: Any) -> Any:
+        from submitit.core.core import Job
+        from submitit.core.utils import FailedJobError
+
+        results = Job.results
+
+        def results_or_failure(job: Any) -> list:
+            try:
+                return results(job)
+            except FailedJobError as exc:
+                return [_failed_return(job, exc)]
+
+        Job.results = results_or_failure  # type: ignore[method-assign]  # for this call only
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            Job.results = results  # type: ignore[method-assign]
+
+    launch_every_job.hydraddp_every_job = True  # type: ignore[attr-defined]
+    return launch_every_job
+
+
+def _failed_return(job: Any, exc: Exception) -> Any:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    try:
+        overrides = list(job.submission().args[0])  # the plugin submits (overrides, job_dir_key, num, id, state)
+    except Exception:  # the submission pickle is gone: the overrides are in the job's outcome.json anyway
+        overrides = []
+    parts = str(exc).split("-" * 22 + "\n")  # FailedJobError: "... with trace:", the task's error between rules
+    trace = parts[1] if len(parts) > 2 else str(exc)
+    reason = next((line for line in reversed(trace.splitlines()) if line.strip()), "")
+    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                     _return_value={"status": "failed", "overrides": overrides,
+                                    "error": f"submitit job {job.job_id} failed: {reason}"})
+
+
+def wait_for_every_job() -> None:
+    """In the submitting command, before the launcher runs: its ``launch`` waits for every job (``every_job``)."""
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+
+    if not getattr(BaseSubmititLauncher.launch, "hydraddp_every_job", False):
+        BaseSubmititLauncher.launch = every_job(BaseSubmititLauncher.launch)  # type: ignore[method-assign]

@@ -101,10 +101,58 @@ def test_a_rank_0_that_refuses_after_submission_ends_the_other_task_at_once(tmp_
     wall = time.monotonic() - started
     assert done.returncode == 2, done.stderr[-3000:]  # rank 0's refusal is the job's outcome
     assert "the submitit job ended invalid" in done.stderr and "unreadable meta.json" in done.stderr
+    assert "Traceback" not in done.stderr and "FailedJobError" not in done.stderr  # the report, not Hydra's error
     [rank1] = tmp_path.glob("multirun/*/*/.submitit/*/*_1_log.err")
     assert "rank 1 stopped before training: rank 0 refused to start" in rank1.read_text()
     assert wall < timeout / 2, wall
+    # ... and for submitit (so for Slurm) the job failed, every task of it: not "completed successfully".
+    from submitit.core.utils import FailedJobError, pickle_load
+    from submitit.local.local import LocalJob
+
+    [submitted] = tmp_path.glob("multirun/*/*/.submitit/*/*_submitted.pkl")
+    job_id = submitted.name.split("_")[0]
+    job = LocalJob(submitted.parent, job_id, tasks=(0, 1))
+    assert isinstance(job.exception(), FailedJobError)
+    for task, code in ((0, 2), (1, 1)):
+        outcome, error = pickle_load(submitted.parent / f"{job_id}_{task}_result.pkl")
+        assert outcome == "error" and f"rank {task}'s launch ended with exit {code}" in error, (task, error)
+        assert "Job completed successfully" not in (submitted.parent / f"{job_id}_{task}_log.err").read_text()
     print(f"submitit refusal: the job ended after {wall:.1f} s (launcher.timeout={timeout}); exit {done.returncode}")
+
+
+def test_a_failed_submitit_job_comes_back_as_an_outcome_and_the_jobs_after_it_are_still_waited_for(tmp_path):
+    """The plugin's launch() ends by gathering ``job.results()`` in order, and a failed job raises FailedJobError
+    there. Wrapped (``every_job``), the failed job is a JobReturn holding a failed outcome, and the next job's result
+    still comes back: the sweep's summary reports every job. Real submitit jobs, read from their result pickles."""
+    import inspect
+
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+    from submitit.core.utils import FailedJobError, cloudpickle_dump
+    from submitit.local.local import LocalJob
+
+    from hydraddp.clusters.submitit import every_job
+
+    assert "[j.results()[0] for j in jobs]" in inspect.getsource(BaseSubmititLauncher.launch)  # what is wrapped
+    ok = JobReturn(overrides=["wrap=ddp"], status=JobStatus.COMPLETED, _return_value={"status": "ok"})
+    results = {"1": ("error", "hydraddp: rank 0's launch ended with exit 2: corrupt checkpoint"), "2": ("success", ok)}
+    for job_id, result in results.items():
+        for task in (0, 1):
+            cloudpickle_dump(result, tmp_path / f"{job_id}_{task}_result.pkl")
+    jobs = [LocalJob(tmp_path, job_id, tasks=(0, 1)) for job_id in results]
+
+    def launch(jobs):  # as the plugin's launch() ends
+        return [j.results()[0] for j in jobs]
+
+    with pytest.raises(FailedJobError):
+        launch(jobs)
+    failed, done = every_job(launch)(jobs)
+    assert failed.status == JobStatus.COMPLETED and failed.return_value["status"] == "failed"
+    assert failed.return_value["error"] == "submitit job 1 failed: hydraddp: rank 0's launch ended with exit 2: " \
+                                           "corrupt checkpoint"
+    assert done.return_value == {"status": "ok"}
+    with pytest.raises(FailedJobError):  # only for the wrapped call
+        launch(jobs)
 
 
 def test_a_tracking_file_with_a_launcher_for_other_machines_is_refused_before_submission(tmp_path):
