@@ -1,6 +1,6 @@
 # The hydraddp image: the MLflow server and the trainer nodes of docker-compose.yml run it (one image, built once).
 # Build arguments, each with the default a user with Docker Hub wants:
-# - BASE_IMAGE: any Debian-like image with python3.10+ and pip on PATH (scripts/compose_test.sh builds one locally).
+# - BASE_IMAGE: any Debian-like image with Python 3.11 or 3.13 (what requires-python claims) and pip on PATH (scripts/compose_test.sh builds one locally).
 # - TORCH_SPEC: torch first and pinned. On x86_64 Linux PyPI's torch is a CUDA build; pass a CPU wheel index for a
 #   smaller image (--build-arg TORCH_SPEC="torch==2.13.0 --index-url <CPU wheel index>").
 # - EXTRA_CA_CERTS: PEM certificates pip must trust besides the usual ones (a TLS-inspecting proxy's); empty: none.

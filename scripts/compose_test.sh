@@ -233,3 +233,32 @@ system = sorted(k for k in metrics if k.startswith("system/"))
 print(f"compose_test: run {run['info']['run_id']} FINISHED: train/loss, sharding/*/rank0-3, {len(system)} system "
       f"metrics of node0 and node1")
 EOF
+
+# -- a lease between two containers sharing a volume (hydraddp.lease: what claims checkpoint.dir, not flock) ----------
+say "two containers sharing a volume: one holds the lease, the other is refused until it expires"
+LEASE_VOLUME=$PREFIX-lease
+docker volume rm -f "$LEASE_VOLUME" > /dev/null 2>&1 || true
+contender() {  # NAME SECONDS [docker run options]: one container tries the lease and holds what it got for SECONDS
+  local name=$1 seconds=$2
+  shift 2
+  docker run --rm --name "$PREFIX-$name" --hostname "$name" -v "$LEASE_VOLUME:/shared" "$@" "$PREFIX/hydraddp" \
+    python -c 'import sys, time
+from pathlib import Path
+from hydraddp import lease
+lease.DURATION_S, lease.RENEW_S = 8.0, 1.0
+held = lease.acquire(Path("/shared/claim"), job_dir=sys.argv[1])
+print("held" if held else "refused by " + lease.holder(Path("/shared/claim")).get("host", "?"), flush=True)
+time.sleep(float(sys.argv[2]))' "$name" "$seconds"
+}
+contender first 60 -d > /dev/null
+for _ in $(seq 120); do docker logs "$PREFIX-first" 2>&1 | grep -q held && break; sleep 0.5; done
+outcome=$(contender second 0)
+[ "$outcome" = "refused by first" ] || { echo "compose_test: a second container got a held lease: $outcome" >&2; exit 1; }
+docker kill "$PREFIX-first" > /dev/null  # SIGKILL: its lease stays on the volume, no longer renewed
+outcome=$(contender second 0)  # another host's holder: refused until its lease expires, though it is dead
+[ "$outcome" = "refused by first" ] || { echo "compose_test: a dead container's lease was taken before it expired: $outcome" >&2; exit 1; }
+sleep 9
+outcome=$(contender second 0)
+[ "$outcome" = held ] || { echo "compose_test: an expired lease was not taken over: $outcome" >&2; exit 1; }
+docker volume rm -f "$LEASE_VOLUME" > /dev/null
+say "the lease held between containers: refused while held and until it expired, taken over after"

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import itertools
 import json
@@ -101,6 +102,11 @@ def hydraddp_overrides(command: str) -> list[list[str]] | None:
     return [list(job) for job in itertools.product(*choices)]
 
 
+# Where Horovod is not built (scripts/pythons.sh's other Pythons), its commands are refused for that alone.
+HOROVOD_MISSING = "backend=horovod needs Horovod with PyTorch support, and it is not installed."
+HAS_HOROVOD = importlib.util.find_spec("horovod") is not None
+
+
 def test_every_hydraddp_command_composes_and_validates():
     from hydraddp.config.compose import compose
     from hydraddp.preflight.config import problems
@@ -110,7 +116,8 @@ def test_every_hydraddp_command_composes_and_validates():
         for overrides in hydraddp_overrides(command) or []:
             cfg = compose(overrides)  # Hydra's parser and the typed schema
             if not any(p in command for p in PLACEHOLDERS):
-                assert problems(cfg) == [], (command, overrides)
+                found = [p for p in problems(cfg) if not (p.message.startswith(HOROVOD_MISSING) and not HAS_HOROVOD)]
+                assert found == [], (command, overrides)
             checked += 1
     assert checked >= 10
 
