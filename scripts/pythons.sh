@@ -119,8 +119,10 @@ for name in "${targets[@]}"; do
   for arg in "${tests[@]}" ":::"; do
     if [ "$arg" != ":::" ]; then group+=("$arg"); continue; fi
     say "$name (Python $version): pytest ${group[*]}"
-    in_root "$root" bash -c 'cd "$1" && shift && PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider -n 2 \
-      --dist loadfile "$@"' run "$REPO" "${group[@]}" || status=1
+    # Horovod is not built in these roots: without CI set, its tests and matrix rows skip (in CI's own venv they
+    # must run, and CI=true says so there).
+    in_root "$root" env -u CI bash -c 'cd "$1" && shift && PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider \
+      -n 2 --dist loadfile "$@"' run "$REPO" "${group[@]}" || status=1
     group=()
   done
 done
