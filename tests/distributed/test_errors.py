@@ -41,7 +41,7 @@ def test_nccl_on_a_cpu_machine_is_refused_before_any_worker_starts():
 
 def test_unknown_backend():
     # What this torch has: ('gloo',), with Horovod ('gloo', 'horovod'), a CUDA build ('nccl', 'gloo').
-    with pytest.raises(ValueError, match=r"Backend should be one of '\(.*'gloo',.*\)', but given 'tpu'"):
+    with pytest.raises(ValueError, match=r"Backend should be one of '\(.*'gloo'.*\)', but given 'tpu'"):
         initialize("tpu")
     with pytest.raises(ValueError, match=r"Unknown backend 'tpu'. Available backends: \(.*'gloo'"):
         Parallel(backend="tpu")
