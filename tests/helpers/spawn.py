@@ -34,7 +34,7 @@ UNTRACKED = "tracking.enabled=false"
 # A tracked launch logs the trained model at the end (torch and MLflow's pytorch flavor in the tracker: about 3
 # CPU-seconds and 2 s of a 12-step launch here). Tracked launches that check something else leave it out; the
 # model's own tests (test_logged_model.py, test_library_models.py), test_mlflow's contract launches, test_cli's sweep
-# and test_features_together keep it.
+# and the pairwise matrix's rows keep it.
 NO_MODEL = "tracking.model.enabled=false"
 
 

@@ -27,6 +27,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "frozen": ("none", "lora"),
     "checkpointing": ("off", "on"),
     "compile": ("off", "on"),
+    "no_decay": ("off", "on"),  # optim.no_decay_norm_and_bias: the parameter groups meet every wrap's parameters
     "async_save": ("off", "on"),
     "data": ("map", "stream"),
     "uneven_eval": ("off", "on"),
@@ -121,6 +122,7 @@ def overrides_of(row: dict[str, str], pretrained_dir: Path) -> list[str]:
               f"trainer.accumulate_grad_batches={row['accumulate']}",
               f"trainer.activation_checkpointing={str(row['checkpointing'] == 'on').lower()}",
               f"trainer.compile={str(row['compile'] == 'on').lower()}",
+              f"optim.no_decay_norm_and_bias={str(row['no_decay'] == 'on').lower()}",
               f"checkpoint.async_save={str(row['async_save'] == 'on').lower()}", f"offload={row['offload']}",
               f"data.eval_batch_size={6 if row['uneven_eval'] == 'on' else 8}"]
     # The user's LoRA model replaces the model group, as README's "your own model" does it.

@@ -48,7 +48,9 @@ def export(checkpoint: Path, out: Path, *fmt: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("wrap", ["fsdp2", "ddp"])
+# Sharded weights: their load and their resharded save are what a pretrained resume could get wrong. The pretrained x
+# stop-and-resume pair under the other wraps and backends is tests/train/test_pairwise.py's.
+@pytest.mark.parametrize("wrap", ["fsdp2"])
 def test_a_pretrained_run_stopped_and_resumed_ends_where_the_uninterrupted_one_does(tmp_path, wrap):
     import transformers
 
