@@ -31,8 +31,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#targets[@]} -gt 0 ] || targets=(debian12 debian13)
-# The fast tier, then the checkpoint tests.
-[ ${#tests[@]} -gt 0 ] || tests=(-m "not slow" tests ::: tests/train/test_checkpoint.py)
+# The fast tier and the checkpoint tests (marked every_python), in one run: the checkpoint file's launches go on
+# beside the fast tier's tests (the longest files first, tests/conftest.py), not on one worker after them.
+[ ${#tests[@]} -gt 0 ] || tests=(-m "not slow or every_python" tests)
 
 CACHE=${HYDRADDP_CACHE:-$HOME/.cache/hydraddp}
 MIRROR=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n 1)
@@ -114,17 +115,11 @@ for name in "${targets[@]}"; do
   [ "$only_prepare" = 0 ] || continue
   version=$(in_root "$root" python3 -c 'import platform; print(platform.python_version())')
   say "$name: Python $version"
-  # Each ":::"-separated group is one pytest run (the fast tier on both cores; the launch tests after it).
-  group=()
-  for arg in "${tests[@]}" ":::"; do
-    if [ "$arg" != ":::" ]; then group+=("$arg"); continue; fi
-    say "$name (Python $version): pytest ${group[*]}"
-    # Horovod is not built in these roots: without CI set, its tests and matrix rows skip (in CI's own venv they
-    # must run, and CI=true says so there).
-    in_root "$root" env -u CI bash -c 'cd "$1" && shift && PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider \
-      -n 2 --dist loadfile "$@"' run "$REPO" "${group[@]}" || status=1
-    group=()
-  done
+  say "$name (Python $version): pytest ${tests[*]}"
+  # Horovod is not built in these roots: without CI set, its tests and matrix rows skip (in CI's own venv they
+  # must run, and CI=true says so there).
+  in_root "$root" env -u CI bash -c 'cd "$1" && shift && PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider \
+    -n 2 --dist loadfile --no-loadscope-reorder "$@"' run "$REPO" "${tests[@]}" || status=1
 done
 [ "$only_prepare" = 1 ] && say "prepared" || say "$([ "$status" = 0 ] && echo passed || echo FAILED)"
 exit "$status"

@@ -14,7 +14,9 @@ import torch
 from tests.helpers.spawn import (NO_MODEL, NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli,
                                  run_process, sigkill_rank_when_logged, wait_for_published_checkpoint)
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+# Launches for real (see README, Tests); and every claimed Python runs them (scripts/pythons.sh): what a checkpoint
+# index holds depends on the Python that pickled it.
+pytestmark = [pytest.mark.slow, pytest.mark.every_python]
 
 BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=5", NO_PLAN]
 
