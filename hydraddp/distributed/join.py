@@ -50,10 +50,11 @@ def _rendezvous(launch: LaunchEnv) -> tuple[str, int]:
     return addr, int(port)
 
 
-def _meeting_store(launch: LaunchEnv, addr: str, port: int, deadline: float) -> dist.Store:
+def _meeting_store(launch: LaunchEnv, addr: str, port: int, timeout: datetime.timedelta,
+                   deadline: float) -> dist.Store:
     """Rank 0's store: hosted by rank 0, the others connect. Until rank 0 listens, they knock with a plain socket:
-    torch's own connect retries log a C++ error with frames at every try."""
-    timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+    torch's own connect retries log a C++ error with frames at every try. ``timeout`` is the launch's, named in the
+    error (under load, a long knock used to report its remaining part as the timeout, e.g. 19.9991 s for 20)."""
     if launch.rank != 0:
         while True:
             try:
@@ -63,7 +64,8 @@ def _meeting_store(launch: LaunchEnv, addr: str, port: int, deadline: float) -> 
                 if time.monotonic() > deadline:
                     raise GroupNotFormedError(timeout.total_seconds(), (0,)) from None
                 time.sleep(_POLL_S)
-    return dist.TCPStore(addr, port, launch.world_size, is_master=launch.rank == 0, timeout=timeout,
+    remaining = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+    return dist.TCPStore(addr, port, launch.world_size, is_master=launch.rank == 0, timeout=remaining,
                          wait_for_workers=False, multi_tenant=True)
 
 
@@ -85,7 +87,7 @@ def join(launch: LaunchEnv, addr: str, port: int, timeout: datetime.timedelta) -
     never came, ends every rank within ``timeout`` (``GroupNotFormedError``), instead of a wait of torch's 30 min
     that ends in a traceback, or never (rank 0 hosts the store: without it the others knock until cancelled)."""
     deadline = time.monotonic() + timeout.total_seconds()
-    store = _meeting_store(launch, addr, port, deadline)
+    store = _meeting_store(launch, addr, port, timeout, deadline)
     store.set(f"{_JOINED}/{launch.rank}", "1")
     everyone = [f"{_JOINED}/{rank}" for rank in range(launch.world_size)]
     while not store.check(everyone):
@@ -111,7 +113,7 @@ def refuse(reason: str, timeout: datetime.timedelta) -> None:
         return
     deadline = time.monotonic() + timeout.total_seconds()
     try:
-        store = _meeting_store(launch, *_rendezvous(launch), deadline)
+        store = _meeting_store(launch, *_rendezvous(launch), timeout, deadline)
     except (GroupNotFormedError, RuntimeError):
         return  # no rank 0 to tell the others: their own timeout ends them
     store.compare_set(_REFUSED, "", json.dumps([launch.rank, reason]))  # the first refusal is the one they report

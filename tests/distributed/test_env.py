@@ -166,3 +166,17 @@ def test_a_group_that_did_not_form_names_the_rank_to_look_at():
     assert str(GroupNotFormedError(20, (0,))) == "rank 0 did not join within 20 s: see rank 0's log"
     refused = GroupNotFormedError(20, refused_by=0, reason="checkpoint.resume: unreadable meta.json")
     assert str(refused) == "rank 0 refused to start: checkpoint.resume: unreadable meta.json: see rank 0's log"
+
+
+def test_a_rank_whose_rank_0_never_listens_names_the_launchs_timeout_not_what_was_left_of_it():
+    """Under load the knock on rank 0's port began a moment after the deadline was set: the error once said
+    "within launcher.timeout=19.9991 s" for 20."""
+    import datetime
+
+    from hydraddp.distributed.join import GroupNotFormedError, join
+
+    launch = LaunchEnv(source="slurm", rank=1, local_rank=0, world_size=2, local_world_size=1, node_rank=1, nnodes=2)
+    with pytest.raises(GroupNotFormedError) as raised:
+        join(launch, "127.0.0.1", free_port(), datetime.timedelta(seconds=0.3))  # nothing listens there
+    assert raised.value.missing == (0,) and raised.value.timeout_s == 0.3
+    assert str(raised.value) == "rank 0 did not join within 0.3 s: see rank 0's log"
