@@ -209,6 +209,7 @@ def _refusal(problems) -> str:
     return "; ".join(f"{', '.join(p.keys)}: {p.message}" for p in problems)
 
 
+@pytest.mark.slow  # no launch, but two minutes of training on reused workers: not for the fast tier's quick answer
 @pytest.mark.timeout(900)
 def test_every_pair_of_options_trains_with_every_default_on_or_is_refused_by_a_stated_rule(pools, tmp_path,
                                                                                           pretrained_dir, capsys):
