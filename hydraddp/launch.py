@@ -89,12 +89,17 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     backend, launcher = plain["backend"]["name"], plain["launcher"]
     if backend == "none":
         return idist.Parallel()  # one process, no group (ignite refuses sizes without a backend)
+    # Attached (srun, a submitit task, torchrun), the outside launcher placed the ranks and gives the rendezvous: the
+    # nodes and their address are its. (Parallel, as ignite's, refuses launcher.nnodes=2 without an address even then:
+    # the README's multi-node hydra/launcher=slurm command failed so on every task.) nproc_per_node is still passed:
+    # Parallel warns when it differs from the tasks the launcher started.
+    attached = idist.detect_launch_env() is not None
     return idist.Parallel(
         backend=backend,
         nproc_per_node=launcher["nproc_per_node"],
-        nnodes=launcher["nnodes"],
-        node_rank=launcher["node_rank"],
-        rdzv_endpoint=launcher["rdzv_endpoint"],
+        nnodes=None if attached else launcher["nnodes"],
+        node_rank=None if attached else launcher["node_rank"],
+        rdzv_endpoint=None if attached else launcher["rdzv_endpoint"],
         max_restarts=launcher["max_restarts"],
         start_method=idist.worker_start_method(backend),
     )

@@ -59,7 +59,8 @@ def _before_submission_problems(config: DictConfig) -> list:
 
         job = copy.deepcopy(config)  # as the job's nodes run it: nproc_per_node=auto is its tasks per node
         job.launcher.nproc_per_node = job.hydra.launcher.get("tasks_per_node", job.launcher.nproc_per_node)
-        found += nproc_problems(job) or problems(job)
+        # Its tasks meet where submitit's environment says (the allocation's first node), not at launcher.rdzv_endpoint.
+        found += nproc_problems(job) or problems(job, cluster_rendezvous=True)
     return found
 
 

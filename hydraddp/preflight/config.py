@@ -102,9 +102,10 @@ def combination_of(cfg: DictConfig) -> Combination:
     )
 
 
-def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]:
+def problems(cfg: DictConfig, combo: Combination | None = None, *, cluster_rendezvous: bool = False) -> list[Problem]:
     """Every problem of the composed ``cfg`` (whose core view is ``combo``, when known), each naming its config keys
-    and the fix. ``cfg``'s ``auto`` values are decided first (``complete``)."""
+    and the fix. ``cfg``'s ``auto`` values are decided first (``complete``). ``cluster_rendezvous``: see
+    ``launcher_problems``."""
     complete(cfg)
     if nproc_problems(cfg):
         return nproc_problems(cfg)
@@ -112,7 +113,7 @@ def problems(cfg: DictConfig, combo: Combination | None = None) -> list[Problem]
     for rule in SETTING_RULES:
         found += rule(cfg)
     found += mesh_problems(cfg, combo or combination_of(cfg)) + tp_plan_problems(cfg)
-    return found + launcher_problems(cfg)
+    return found + launcher_problems(cfg, cluster_rendezvous=cluster_rendezvous)
 
 
 def _preempt_signal_problems(cfg: DictConfig) -> list[Problem]:
@@ -191,9 +192,11 @@ SETTING_RULES = (_preempt_signal_problems, _run_name_problems, _init_device_prob
                  _accumulation_problems, _no_decay_problems)
 
 
-def launcher_problems(cfg: DictConfig) -> list[Problem]:
+def launcher_problems(cfg: DictConfig, *, cluster_rendezvous: bool = False) -> list[Problem]:
     """The launcher group's processes, nodes and rendezvous; none when attached (torchrun/SLURM already decided
-    processes and nodes, and the launcher group is unused)."""
+    processes and nodes, and the launcher group is unused). ``cluster_rendezvous``: the launch is checked before a
+    cluster starts it (a submitit job, on the login node): its tasks will attach to the allocation's own rendezvous
+    (``clusters.submitit.attach``: the job's first node), so several nodes need no ``launcher.rdzv_endpoint``."""
     if detect_launch_env() is not None:
         return []
     launcher = cfg.launcher
@@ -202,7 +205,7 @@ def launcher_problems(cfg: DictConfig) -> list[Problem]:
         found.append(Problem(("launcher.nproc_per_node", "launcher.nnodes"),
                              f"launcher.nproc_per_node={launcher.nproc_per_node} and launcher.nnodes="
                              f"{launcher.nnodes} must both be at least 1.", "Set them to 1 or more."))
-    if launcher.nnodes > 1 and not launcher.rdzv_endpoint:
+    if launcher.nnodes > 1 and not launcher.rdzv_endpoint and not cluster_rendezvous:
         found.append(Problem(("launcher.nnodes", "launcher.rdzv_endpoint"),
                              f"launcher.nnodes={launcher.nnodes} needs a rendezvous address every node can reach.",
                              "Set launcher.rdzv_endpoint=HOST:PORT, the same on every node."))

@@ -61,3 +61,20 @@ def test_a_typed_nproc_per_node_that_srun_did_not_start_is_refused(tmp_path):
     assert "launcher.nproc_per_node=8, but slurm started 1 task(s) on this node" in done.stderr
     assert "srun --ntasks-per-node=8" in done.stderr and "Drop launcher.nproc_per_node" in done.stderr
     assert "Traceback" not in done.stderr and job_dirs(tmp_path) == []
+
+
+def test_several_nodes_through_the_slurm_launcher_need_no_rendezvous_address(monkeypatch):
+    """The README's multi-node Slurm command: its tasks attach to submitit's environment (the allocation's first node
+    is the rendezvous), so the check before submission asks for no launcher.rdzv_endpoint. A local launch still does."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra: pip install 'hydraddp[slurm]'")
+    from hydraddp.clusters.submitit import SINGLE_JOB_ENV
+    from hydraddp.config.compose import compose
+    from hydraddp.preflight.config import problems
+    from hydraddp.sweep import _before_submission_problems
+
+    readme = ["launcher.nnodes=2", "launcher.nproc_per_node=2", "backend=gloo", "wrap=fsdp2",
+              "tracking.uri=http://mlflow:5000"]
+    monkeypatch.setenv(SINGLE_JOB_ENV, "1")  # one launch (no -m), as clusters.submitit.prepare_argv marks it
+    assert _before_submission_problems(compose(["hydra/launcher=slurm", *readme], return_hydra_config=True)) == []
+    local = [str(p) for p in problems(compose(readme))]
+    assert any("launcher.nnodes=2 needs a rendezvous address every node can reach" in p for p in local), local
