@@ -1,0 +1,82 @@
+"""What the Slurm checks share (scripts/slurm_checks/*.py, run by scripts/slurm_test.sh with the image's Python on
+ctl, the login node of deploy/slurm/compose.yml): running a command there, Slurm's accounting and MLflow's REST API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+HOME = Path("/cluster/home")  # the shared volume every node mounts: job directories, submitit's folders, checkpoints
+MLFLOW = "http://mlflow:5000"  # the MLflow service, as the jobs reach it
+# sacct's states of a job Slurm has not ended yet (a requeued job is PENDING again).
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+def fail(check: str, message: str) -> None:
+    sys.exit(f"slurm check {check}: {message}")
+
+
+def run(check: str, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """``args`` on the login node in the check's own directory under HOME (its job directories apart from the other
+    checks'), echoed, with its output kept (and shown when the check fails)."""
+    cwd = HOME / check
+    cwd.mkdir(parents=True, exist_ok=True)
+    print("$ " + " ".join(args), flush=True)
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    print(done.stdout[-2000:] + done.stderr[-2000:], end="", flush=True)
+    return done
+
+
+def submitit_job_ids(check: str) -> list[str]:
+    """The Slurm jobs submitit submitted for the check: its folders are multirun/DATE/TIME/.submitit/JOB_ID."""
+    return sorted({p.name.split("_")[0] for p in (HOME / check).glob("multirun/*/*/.submitit/*") if p.is_dir()})
+
+
+def sacct(job_id: str) -> dict[str, dict[str, str]]:
+    """Slurm's accounting of a job: its allocation (key JOB_ID) and each step (JOB_ID.batch, JOB_ID.0, ...)."""
+    fields = ["JobID", "State", "NNodes", "NTasks", "NodeList", "ExitCode"]
+    out = subprocess.run(["sacct", "-j", job_id, "-P", "-n", "-o", ",".join(fields)], capture_output=True, text=True,
+                         check=True).stdout
+    rows = [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
+    return {row["JobID"]: row for row in rows}
+
+
+def sacct_when_ended(job_id: str, timeout: float = 120) -> dict[str, dict[str, str]]:
+    """``sacct(job_id)`` once Slurm has ended the job. submitit returns as soon as every task has written its result,
+    while Slurm still shows the job RUNNING (then COMPLETING) for a few seconds: its step and batch script end
+    after."""
+    deadline = time.monotonic() + timeout
+    while True:
+        accounted = sacct(job_id)
+        state = accounted.get(job_id, {}).get("State", "")
+        if state and state not in ACTIVE_STATES or time.monotonic() > deadline:
+            return accounted
+        time.sleep(1)
+
+
+def _call(path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{MLFLOW}/api/2.0/mlflow{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def mlflow_runs(experiment: str) -> list[dict]:
+    """Every run of the experiment, as MLflow's REST API gives them (info, data.metrics, data.tags)."""
+    found = _call("/experiments/get-by-name?" + urllib.parse.urlencode({"experiment_name": experiment}))
+    body = {"experiment_ids": [found["experiment"]["experiment_id"]], "max_results": 100}
+    return _call("/runs/search", body).get("runs", [])
+
+
+def metric_keys(run: dict) -> set[str]:
+    return {m["key"] for m in run["data"].get("metrics", [])}
+
+
+def tags(run: dict) -> dict[str, str]:
+    return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
