@@ -33,8 +33,11 @@ def run(check: str, args: list[str], timeout: int = 300) -> subprocess.Completed
 
 
 def submitit_job_ids(check: str) -> list[str]:
-    """The Slurm jobs submitit submitted for the check: its folders are multirun/DATE/TIME/.submitit/JOB_ID."""
-    return sorted({p.name.split("_")[0] for p in (HOME / check).glob("multirun/*/*/.submitit/*") if p.is_dir()})
+    """The Slurm jobs submitit submitted for the check: its folders are multirun/DATE/TIME/.submitit/JOB_ID, where a
+    sweep's jobs are one array's (JOB_ID_INDEX, e.g. 1_0 and 1_1, as sacct names them too, beside the array's own
+    folder 1)."""
+    names = {p.name for p in (HOME / check).glob("multirun/*/*/.submitit/*") if p.is_dir()}
+    return sorted(name for name in names if not any(other.startswith(name + "_") for other in names))
 
 
 def sacct(job_id: str) -> dict[str, dict[str, str]]:
@@ -80,3 +83,55 @@ def metric_keys(run: dict) -> set[str]:
 
 def tags(run: dict) -> dict[str, str]:
     return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+
+
+def sbatch(check: str, script: str, *args: str, options: tuple[str, ...] = (), timeout: int = 300) -> str:
+    """Submits one of the repository's sbatch scripts as written (``submit``) and waits until Slurm has ended the job
+    (sacct, every second: ``sbatch --wait`` polls far less often). Returns its job id; the check fails, with the
+    job's output, unless the job COMPLETED."""
+    job = submit(check, script, *args, options=options)
+    state = sacct_when_ended(job, timeout=timeout).get(job, {}).get("State")
+    if state != "COMPLETED":
+        output = "".join(p.read_text()[-3000:] for p in (HOME / check).glob(f"*-{job}.out"))
+        fail(check, f"job {job} ({script}) is {state}, not COMPLETED:\n{output}")
+    return job
+
+
+def submit(check: str, script: str, *args: str, options: tuple[str, ...] = ()) -> str:
+    """``sbatch [options] experiments/slurm/SCRIPT [args]`` from the check's directory; the job id."""
+    done = run(check, ["sbatch", "--parsable", *options, f"/cluster/hydraddp/experiments/slurm/{script}", *args])
+    job = done.stdout.strip().split(";")[0]
+    if done.returncode != 0 or not job.isdigit():
+        fail(check, f"sbatch {script} exited {done.returncode}")
+    return job
+
+
+def one_finished_run(check: str, experiment: str, world_size: int) -> dict:
+    """The experiment's one MLflow run, FINISHED, at ``world_size``, with the sharding of every rank and the system
+    metrics of each of the two nodes; the check fails, naming what is missing, otherwise."""
+    runs = mlflow_runs(experiment)
+    if len(runs) != 1:
+        fail(check, f"{len(runs)} MLflow runs in {experiment}, not one")
+    [record] = runs
+    metrics = metric_keys(record)
+    problems = [] if record["info"]["status"] == "FINISHED" else [f"the run is {record['info']['status']}"]
+    problems += [f"no metric {key}" for key in (*(f"sharding/param_bytes/rank{r}" for r in range(world_size)),
+                                                "train/loss") if key not in metrics]
+    problems += [f"no system/{node}/* metric" for node in ("node0", "node1")
+                 if not any(key.startswith(f"system/{node}/") for key in metrics)]
+    if tags(record).get("hydraddp.world_size") != str(world_size):
+        problems.append(f"tag hydraddp.world_size is {tags(record).get('hydraddp.world_size')}, not {world_size}")
+    if problems:
+        fail(check, "; ".join(problems))
+    return record
+
+
+def completed_on_both_nodes(check: str, job: str, tasks: int) -> dict:
+    """sacct's record of the job's step 0, once Slurm has ended the job: COMPLETED, ``tasks`` tasks on c1 and c2."""
+    accounted = sacct_when_ended(job)
+    allocation, step = accounted.get(job, {}), accounted.get(f"{job}.0", {})
+    if allocation.get("State") != "COMPLETED" or allocation.get("NNodes") != "2":
+        fail(check, f"sacct says job {job} is {allocation}, not COMPLETED on 2 nodes")
+    if step.get("State") != "COMPLETED" or step.get("NTasks") != str(tasks) or step.get("NodeList") != "c[1-2]":
+        fail(check, f"sacct says the job's step is {step}, not {tasks} COMPLETED tasks on c[1-2]")
+    return step
