@@ -1,20 +1,18 @@
-"""Slurm's path through Hydra's submitit launcher, run for real by submitit's local executor: each task is one
-rank of the job's world (attached with submitit's own TorchDistributedEnvironment), and a preempted job is
-requeued by submitit's own checkpoint/requeue mechanism, then resumes into the same MLflow run."""
+"""Slurm's path through Hydra's submitit launcher, run for real by submitit's local executor (`hydra/launcher=
+submitit_local`, the same path on one machine): each task is one rank of the job's world (attached with submitit's own
+TorchDistributedEnvironment). A sweep, a requeue and the preemption handler run on a real Slurm cluster instead:
+scripts/slurm_test.sh (sweep, requeue)."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
 import sys
 import time
 
 import pytest
 
-from tests.clusters.test_preemption import STEPS, final_params, logged, run_of
-from tests.helpers.spawn import NO_MODEL, NO_PLAN, UNTRACKED, interrupt_when, run_cli
+from tests.clusters.test_preemption import run_of
+from tests.helpers.spawn import NO_MODEL, NO_PLAN, UNTRACKED, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see README, Tests
 
@@ -40,52 +38,6 @@ def test_one_launch_through_submitit_is_one_job_of_two_tasks_and_one_finished_ru
         f"{submitted.name.split('_')[0]}_{task}_result.pkl" for task in (0, 1)]
     client, run = run_of(uri)
     assert run.info.status == "FINISHED" and run.data.tags["hydraddp.world_size"] == "2"
-
-
-def test_a_sweep_through_submitit_is_one_parent_run_with_two_children(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    done = run_cli("-m", *LOCAL, "wrap=ddp,fsdp2", "trainer.max_steps=20", f"tracking.uri={uri}", cwd=tmp_path,
-                   timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
-    [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.data.tags["hydraddp.wrap"] for r in children) == ["ddp", "fsdp2"]
-    assert all(r.info.status == "FINISHED" and r.data.tags["hydraddp.world_size"] == "2" for r in children)
-    assert parent.info.status == "FINISHED" and "0  ok" in done.stdout and "1  ok" in done.stdout
-
-
-def test_a_preempted_job_checkpoints_requeues_through_submitit_and_resumes_into_the_same_run(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-
-    def preempt(proc):  # as Slurm does before it kills a job: its signal to every task
-        for log in sorted(tmp_path.glob("multirun/*/*/0/logs/rank*.log")):
-            os.kill(int(re.search(r"rank \d pid (\d+)", log.read_text())[1]), signal.SIGUSR2)
-
-    done = interrupt_when([sys.executable, "-m", "hydraddp", *LOCAL, *STEPS, f"tracking.uri={uri}"],
-                          ready=logged(r"step 50 loss", "multirun/*/*/0/logs/rank*.log", tmp_path), cwd=tmp_path,
-                          send=preempt, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    [job] = sweep_jobs(tmp_path)
-    [preempted] = json.loads((job / "preemptions.json").read_text())
-    assert preempted["signal"] == "SIGUSR2" and 50 <= preempted["step"] < 200
-    rank0 = (job / "logs" / "rank0.log").read_text()
-    assert re.search(r"submitit: Requeued job \d+", rank0)  # submitit's own requeue
-    assert f"resumed from {preempted['checkpoint']} at step {preempted['step']}" in rank0
-    client, run = run_of(uri)
-    assert run.info.status == "FINISHED" and run.data.tags["hydraddp.requeued"] == "1"
-    assert json.loads(run.data.tags["hydraddp.preempted"])["step"] == preempted["step"]
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert steps == sorted(set(steps)) and steps[-1] == 200  # every logged step once
-
-    plain = run_cli(*STEPS, "tracking.enabled=false", cwd=tmp_path / "plain", timeout=240)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    [plain_job] = sorted(p.parent for p in (tmp_path / "plain").glob("outputs/*/*/.hydra"))
-    expected, got = final_params(plain_job), final_params(job)
-    assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-6
 
 
 def test_a_rank_0_that_refuses_after_submission_ends_the_other_task_at_once(tmp_path):

@@ -14,9 +14,11 @@ import torch
 from tests.helpers.spawn import (NO_MODEL, NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli,
                                  run_process, sigkill_rank_when_logged, wait_for_published_checkpoint)
 
-# Launches for real (see README, Tests); and every claimed Python runs them (scripts/pythons.sh): what a checkpoint
-# index holds depends on the Python that pickled it.
-pytestmark = [pytest.mark.slow, pytest.mark.every_python]
+pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+# Every claimed Python runs the tests marked so (scripts/pythons.sh): a stop and resume, the reshards, the export and
+# the refusals. What a checkpoint index holds depends on the Python that pickled it; how a killed process leaves its
+# checkpoint does not.
+every_python = pytest.mark.every_python
 
 BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=5", NO_PLAN]
 
@@ -51,7 +53,8 @@ DATA = {"dropout": ["model=gpt", "data=text", "model.depth=1", "model.dim=32", "
                    "~data.dataset.seed", "data.num_workers=2"]}
 
 
-@pytest.mark.parametrize("wrap,data", [("ddp", "augmented"), ("fsdp", "stream"), ("fsdp2", "dropout")])
+@pytest.mark.parametrize("wrap,data", [("ddp", "augmented"), ("fsdp", "stream"),
+                                       pytest.param("fsdp2", "dropout", marks=every_python)])
 def test_stop_and_resume_ends_where_an_uninterrupted_run_does(tmp_path, wrap, data):
     """Each wrap with other data or model (the loader's and the RNGs' state are the same code under every wrap), each
     launch three times. A dropout GPT draws at every step: the ranks' RNGs are restored right before the first step,
@@ -97,6 +100,7 @@ def _run_id(job: Path) -> str:
 RESHARDING = [("fsdp2", 2, "ddp", 1), ("ddp", 2, "fsdp", 2), ("fsdp", 2, "fsdp2", 1)]
 
 
+@every_python
 @pytest.mark.parametrize("source_wrap, source_world, target_wrap, target_world", RESHARDING,
                          ids=[f"{a}@{b}->{c}@{d}" for a, b, c, d in RESHARDING])
 def test_a_checkpoint_loads_into_another_wrap_and_world_size(tmp_path, source_wrap, source_world, target_wrap,
@@ -172,6 +176,7 @@ def saved(tmp_path_factory):
     return job_dirs(where)[0] / "checkpoints" / "step_00000005"
 
 
+@every_python
 def test_the_export_loads_with_weights_only_into_the_unwrapped_model(saved, tmp_path):
     from hydraddp.models.mlp import MLP
 
@@ -181,6 +186,7 @@ def test_the_export_loads_with_weights_only_into_the_unwrapped_model(saved, tmp_
     assert all(isinstance(v, torch.Tensor) for v in state.values())
 
 
+@every_python
 def test_a_checkpoint_of_another_model_is_refused_before_anything_starts(saved, tmp_path):
     done = run_cli("model=gpt", "data=text", *BASE, "trainer.max_steps=6", UNTRACKED,
                    f"checkpoint.resume={saved}", cwd=tmp_path)
@@ -189,6 +195,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_starts(saved, 
     assert "[rank" not in done.stderr and job_dirs(tmp_path) == []
 
 
+@every_python
 def test_a_corrupt_checkpoint_is_refused_before_anything_starts(saved, tmp_path):
     import shutil
 
