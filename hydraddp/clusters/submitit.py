@@ -65,9 +65,16 @@ def attach() -> None:
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
+# How long the other ranks of a Slurm job wait for rank 0's requeue to stop them (``requeue``).
+REQUEUE_WAIT_S = 30.0
+
+
 def requeue(rank: int, exit_code: int) -> NoReturn:
-    """After a preemption checkpoint: rank 0 asks submitit to requeue the job (its handler exits this process);
-    the other ranks exit with ``exit_code`` (the job's requeue stops them anyway)."""
+    """After a preemption checkpoint: rank 0 asks submitit to requeue the job (its handler exits this process).
+    The other ranks exit with ``exit_code``; on Slurm only once the requeue stopped them, or after
+    ``REQUEUE_WAIT_S``: a task that ended first, non-zero, could end the job FAILED before rank 0's `scontrol requeue`
+    (seen on a real Slurm: the submitting side then read the job FAILED and raised). submitit's own handler leaves
+    them running for the same reason ("it might kill the master task")."""
     if rank == 0:
         import signal
 
@@ -77,6 +84,10 @@ def requeue(rank: int, exit_code: int) -> NoReturn:
         handler = signal.getsignal(signum)  # submitit's checkpoint_and_try_requeue, restored after training
         if callable(handler):
             handler(signum, None)  # requeues, then exits (raises if submitit will not requeue)
+    elif os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        import time
+
+        time.sleep(REQUEUE_WAIT_S)  # the requeue's SIGKILL ends it first (submitit ignores its SIGTERM)
     sys.exit(exit_code)
 
 
@@ -106,20 +117,21 @@ def every_job(launch: Callable[..., Any]) -> Callable[..., Any]:
     not waited for and the sweep ended by Hydra's traceback, before any summary. Here every job is waited for, and a
     failed one comes back as a JobReturn like the others (COMPLETED: Hydra's sweeper raises a FAILED one's value),
     holding ``{"status": "failed", ...}``; how each job ended is in its ``outcome.json``, which the summary and the
-    single launch's report read (``hydraddp.sweep``). Only ``FailedJobError`` is caught: a job that produced no
-    result at all (``UncompletedJobError``) still ends the command."""
+    single launch's report read (``hydraddp.sweep``). So does a job that produced no result at all
+    (``UncompletedJobError``: its node lost, the job cancelled), which once ended the command as Hydra's error, exit 2
+    ("invalid configuration") for what was a failed job."""
 
     @functools.wraps(launch)
     def launch_every_job(*args: Any, **kwargs: Any) -> Any:
         from submitit.core.core import Job
-        from submitit.core.utils import FailedJobError
+        from submitit.core.utils import FailedJobError, UncompletedJobError
 
         results = Job.results
 
         def results_or_failure(job: Any) -> list:
             try:
                 return results(job)
-            except FailedJobError as exc:
+            except (FailedJobError, UncompletedJobError) as exc:
                 return [_failed_return(job, exc)]
 
         Job.results = results_or_failure  # type: ignore[method-assign]  # for this call only
@@ -140,8 +152,10 @@ def _failed_return(job: Any, exc: Exception) -> Any:
     except Exception:  # the submission pickle is gone: the overrides are in the job's outcome.json anyway
         overrides = []
     parts = str(exc).split("-" * 22 + "\n")  # FailedJobError: "... with trace:", the task's error between rules
-    trace = parts[1] if len(parts) > 2 else str(exc)
-    reason = next((line for line in reversed(trace.splitlines()) if line.strip()), "")
+    if len(parts) > 2:
+        reason = next((line for line in reversed(parts[1].splitlines()) if line.strip()), "")
+    else:  # UncompletedJobError: "Job ID (task: N) with path ...\nhas not produced any output (state: STATE)"
+        reason = " ".join(str(exc).splitlines()[1:2]) or str(exc)
     return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
                      _return_value={"status": "failed", "overrides": overrides,
                                     "error": f"submitit job {job.job_id} failed: {reason}"})

@@ -73,7 +73,7 @@ finally:
         launch.kill()
 print(output[-2000:], flush=True)
 if launch.returncode != 0:
-    fail(CHECK, f"the command exited {launch.returncode}")
+    fail(CHECK, f"the command exited {launch.returncode}; rank 0's log ends:\n{rank0_log()[-3000:]}")
 
 [job_dir] = sorted(p.parent for p in (HOME / CHECK).glob("multirun/*/*/0/.hydra"))
 preemptions = json.loads((job_dir / "preemptions.json").read_text())

@@ -105,6 +105,11 @@ def test_a_failed_submitit_job_comes_back_as_an_outcome_and_the_jobs_after_it_ar
     assert done.return_value == {"status": "ok"}
     with pytest.raises(FailedJobError):  # only for the wrapped call
         launch(jobs)
+    # A job that left no result at all (its node lost, the job cancelled) is a failed job too, not Hydra's error.
+    [lost] = every_job(launch)([LocalJob(tmp_path, "3", tasks=(0, 1))])
+    assert lost.return_value["status"] == "failed"
+    assert lost.return_value["error"] == "submitit job 3 failed: has not produced any output (state: NO PROCESS AND " \
+                                         "NO RESULT)"
 
 
 def test_a_tracking_file_with_a_launcher_for_other_machines_is_refused_before_submission(tmp_path):
