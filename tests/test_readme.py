@@ -54,6 +54,10 @@ RUN_BY = {
     "python -m hydraddp.kube": "tests/clusters/test_kube.py::test_the_manifest_validates_with_the_operators_own_models_and_holds_no_secret",
     # No cluster here: the manifest's pods read this Secret, which that test checks.
     "kubectl create secret generic hydraddp-tracking": "tests/clusters/test_kube.py::test_the_manifest_validates_with_the_operators_own_models_and_holds_no_secret",
+    # The Slurm cluster in containers: scripts/slurm_test.sh brings it up and down, its checks run the jobs (CI).
+    "docker compose -f deploy/slurm/compose.yml --env-file .env up": "scripts/slurm_test.sh",
+    "docker compose -f deploy/slurm/compose.yml --env-file .env exec ctl sbatch": "scripts/slurm_checks/srun.py",
+    "docker compose -f deploy/slurm/compose.yml --env-file .env down": "scripts/slurm_test.sh",
 }
 
 
@@ -116,7 +120,10 @@ def test_every_hydraddp_command_composes_and_validates():
         for overrides in hydraddp_overrides(command) or []:
             cfg = compose(overrides)  # Hydra's parser and the typed schema
             if not any(p in command for p in PLACEHOLDERS):
-                found = [p for p in problems(cfg) if not (p.message.startswith(HOROVOD_MISSING) and not HAS_HOROVOD)]
+                # Through the Slurm launcher the allocation gives the rendezvous (checked before submission so).
+                cluster = "hydra/launcher=slurm" in overrides
+                found = [p for p in problems(cfg, cluster_rendezvous=cluster)
+                         if not (p.message.startswith(HOROVOD_MISSING) and not HAS_HOROVOD)]
                 assert found == [], (command, overrides)
             checked += 1
     assert checked >= 10
