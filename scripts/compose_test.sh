@@ -42,13 +42,7 @@ cleanup() {
     [ "$status" = 0 ] || { echo "compose_test: the services' last lines:"; cat "$WORK/compose.log"; } >&2
     compose down -v --remove-orphans > /dev/null 2>&1 || true
   fi
-  docker_finish "$status"
-  rm -rf "$WORK"
-  if [ "$phase" = prepare ]; then
-    say "$([ "$status" = 0 ] && echo "prepared" || echo "preparing FAILED (exit $status)")"
-  else
-    say "$([ "$status" = 0 ] && echo passed || echo "FAILED (exit $status)")"
-  fi
+  docker_test_end "$status"
 }
 trap cleanup EXIT
 

@@ -79,6 +79,18 @@ docker_finish() {
   rm -f "$DOCKERD_PID_FILE"
 }
 
+# The end of a test's EXIT trap, once its stack is down: dockerd (docker_finish), WORK removed, and how it ended.
+docker_test_end() {
+  local status=$1
+  docker_finish "$status"
+  rm -rf "$WORK"
+  if [ "$phase" = prepare ]; then
+    say "$([ "$status" = 0 ] && echo "prepared" || echo "preparing FAILED (exit $status)")"
+  else
+    say "$([ "$status" = 0 ] && echo passed || echo "FAILED (exit $status)")"
+  fi
+}
+
 # -- the base images, made locally -------------------------------------------------------------------------------------
 base_images() {
   if ! docker image inspect "$PREFIX/bookworm" > /dev/null 2>&1; then
