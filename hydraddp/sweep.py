@@ -1,4 +1,5 @@
-"""The end of a ``-m`` sweep: one table of every job, and exit 1 if any job failed."""
+"""The end of a ``-m`` sweep: one table of every job, and exit 1 if any job failed (an optuna search: if every
+trial failed)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+# In an optuna search's sweep directory: how the sweeper's trials ended (``hydraddp.search.sweeper.write_verdict``).
+SEARCH_VERDICT_FILE = "search.json"
 
 
 def _cell(value: Any, width: int, precision: int) -> str:
@@ -28,8 +32,14 @@ def summary_table(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _submitit(config: DictConfig) -> bool:
+def submitit_launched(config: DictConfig) -> bool:
+    """Whether ``hydra/launcher`` runs the jobs through submitit (``hydraddp.clusters.submitit.LAUNCHERS``)."""
     return "hydra_submitit_launcher" in str(config.hydra.launcher.get("_target_", ""))
+
+
+def remote_launched(config: DictConfig) -> bool:
+    """Whether ``hydra/launcher`` runs the jobs on other machines than this one (Slurm)."""
+    return "SlurmLauncher" in str(config.hydra.launcher.get("_target_", ""))
 
 
 def _single_job() -> bool:
@@ -38,21 +48,22 @@ def _single_job() -> bool:
     return os.environ.get(SINGLE_JOB_ENV) == "1"
 
 
-def _before_submission_problems(config: DictConfig) -> list:
+def before_submission_problems(config: DictConfig, single_job: bool | None = None) -> list:
     """What must be refused before any job is submitted: a tracking file that jobs on other machines cannot write,
-    and, for one launch through submitit, everything a local launch would refuse."""
+    and, for one launch through submitit (``single_job``; by default this command's), everything a local launch
+    would refuse."""
     from hydraddp.clusters.submitit import REMOTE_LAUNCHERS
     from hydraddp.parallel.combinations import Problem
 
     found = []
     uri = str(config.tracking.uri or "")
-    remote = "SlurmLauncher" in str(config.hydra.launcher.get("_target_", ""))
+    remote = remote_launched(config)
     if remote and config.tracking.enabled and not uri.startswith(("http://", "https://", "databricks")):
         found.append(Problem(("tracking.uri",), f"tracking.uri={uri or '(default: ./mlflow.db)'} is a file on this "
                              f"machine, and hydra/launcher ({'/'.join(REMOTE_LAUNCHERS)}) runs the jobs on others.",
                              "Point every job at one MLflow server: tracking.uri=http://HOST:PORT, or set "
                              "tracking.enabled=false."))
-    if _single_job():
+    if _single_job() if single_job is None else single_job:
         import copy
 
         from hydraddp.preflight.config import nproc_problems, problems
@@ -73,6 +84,14 @@ def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
     files = sorted(sweep_dir.glob(f"*/{OUTCOME_FILE}"), key=lambda f: int(f.parent.name) if f.parent.name.isdigit()
                    else 0)
     return [json.loads(f.read_text()) for f in files]
+
+
+def _search_verdict(sweep_dir: Path) -> dict[str, Any] | None:
+    """How an optuna search's trials ended (``hydraddp.search.sweeper.write_verdict``); None for a ``-m`` sweep."""
+    import json
+
+    path = sweep_dir / SEARCH_VERDICT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _report_single(outcome: dict[str, Any] | None) -> None:
@@ -103,11 +122,11 @@ class SweepSummary(Callback):
         self.parent: Any = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if _submitit(config):
+        if submitit_launched(config):
             from hydraddp.clusters.submitit import wait_for_every_job
 
             wait_for_every_job()  # a failed job (FailedJobError) is reported from its outcome.json, as the others
-            found = _before_submission_problems(config)
+            found = before_submission_problems(config)
             if found:
                 from hydraddp.cli import LaunchEnded
                 from hydraddp.exit_codes import EXIT_INVALID
@@ -151,7 +170,11 @@ class SweepSummary(Callback):
         if _single_job():
             _report_single(self.outcomes[0] if self.outcomes else None)
             return
-        failed = any(out.get("status") != "ok" for out in self.outcomes)
+        search = _search_verdict(Path(config.hydra.sweep.dir))
+        if search is not None:  # the search printed its own table; failed trials were tried again
+            self.outcomes, failed = [], search["all_failed"]
+        else:
+            failed = any(out.get("status") != "ok" for out in self.outcomes)
         if self.parent is not None:
             from hydraddp.tracking.run import FAILED, FINISHED
             from hydraddp.tracking.setup import PARENT_RUN_ENV

@@ -241,11 +241,11 @@ def _create_study(storage: str, start, results) -> None:
     fcntl.flock = lambda *args, **kwargs: None  # as on NFS local_lock: every process gets every lock at once
     import optuna
 
-    from hydraddp.search.sweeper import _creating
+    from hydraddp.search.storage import creating
 
     start.wait()
     try:
-        with _creating(storage):
+        with creating(storage):
             study = optuna.create_study(study_name="shared", storage=storage, load_if_exists=True)
         results.put(("ok", study._study_id))
     except Exception as exc:  # noqa: BLE001 - the test reports what failed in which process
@@ -253,7 +253,7 @@ def _create_study(storage: str, start, results) -> None:
 
 
 def test_sweepers_creating_one_study_at_once_on_a_mount_without_locks_share_it(tmp_path):
-    """The study's lease (``sweeper._creating``) in real processes started together, flock a no-op in each."""
+    """The study's lease (``search.storage.creating``) in real processes started together, flock a no-op in each."""
     import multiprocessing
 
     optuna = pytest.importorskip("optuna")

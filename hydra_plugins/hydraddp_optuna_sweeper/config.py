@@ -19,6 +19,8 @@ class HydraddpOptunaSweeperConf:
     params: Optional[Dict[str, str]] = None  # key: search space, beside those on the command line
     metric: str = "eval/loss"  # the trial's value: the metric's last value (eval/<name>, train/loss, perf/...)
     pruner: str = "none"  # none, median or hyperband: reported at each evaluation, by rank 0
+    heartbeat_interval: int = 30  # s between the sweeper's beats for each running trial (hydraddp.search.storage)
+    grace_period: int = 120  # s without a beat after which any sweeper fails the trial (and the study retries it)
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="hydraddp_optuna", node=HydraddpOptunaSweeperConf,

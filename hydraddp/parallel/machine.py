@@ -21,20 +21,33 @@ NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU, listed by t
 AMD_GPU_NODES = Path("/sys/class/kfd/kfd/topology/nodes")  # ROCm's topology: CPUs and GPUs, a GPU has SIMD units
 
 
+def _entries(visible: str) -> list[str]:
+    """A ``*_VISIBLE_DEVICES`` value's devices: the runtime stops at the first invalid entry."""
+    entries = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        entries.append(entry)
+    return entries
+
+
 def _visible(count: int, env: Mapping[str, str], variables: Iterable[str] = ("CUDA_VISIBLE_DEVICES",)) -> int:
-    """``count`` GPUs as each set variable narrows them (the runtime stops at the first invalid entry)."""
+    """``count`` GPUs as each set variable narrows them."""
     for variable in variables:
         visible = env.get(variable)
-        if visible is None:
-            continue
-        entries = []
-        for entry in visible.split(","):
-            entry = entry.strip()
-            if not entry or entry.startswith("-"):
-                break
-            entries.append(entry)
-        count = min(count, len(entries))
+        if visible is not None:
+            count = min(count, len(_entries(visible)))
     return count
+
+
+def visible_nvidia_gpus(env: Mapping[str, str] | None = None, gpus_dir: Path = NVIDIA_GPUS) -> list[str]:
+    """The NVIDIA GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (its entries, else the driver's
+    indices), from the driver's own listing: what a split of them between processes hands out."""
+    env = os.environ if env is None else env
+    count = sum(1 for _ in gpus_dir.iterdir()) if gpus_dir.is_dir() else 0
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return (_entries(visible) if visible is not None else [str(i) for i in range(count)])[:count]
 
 
 def _amd_gpus(nodes: Path) -> int:

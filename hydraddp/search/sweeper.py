@@ -1,37 +1,40 @@
 """``hydra/sweeper=hydraddp_optuna``: an optuna search whose trials are launches.
 
 The sweeper asks optuna in its own process, so every rank of a trial trains with the same values, and runs each
-trial as one ``python -m hydraddp`` launch (its own job directory under the sweep's, its own MLflow run, a child of
-the search's). It keeps ``n_jobs`` trials running and asks for the next the moment one ends. Sweepers given the same
-``storage`` and ``study_name`` share one study; the same command run again continues it, and a trial whose sweeper
-died (a pid on this host that is gone) is marked FAIL first.
+trial as the sweeper's own launch with the trial's values (``launch_arguments``: its config dir, config name and
+hydra overrides, its launcher among them), in its own job directory under the sweep's, with its own MLflow run, a
+child of the search's. It keeps ``n_jobs`` trials running, each on GPUs of its own (``gpu_slots``), and asks for
+the next the moment one ends. Sweepers given the same ``storage`` and ``study_name`` share one study; the same
+command run again continues it, and a trial whose sweeper died, on any host, is failed and tried again
+(``hydraddp.search.storage``: a heartbeat).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import warnings
+import copy
 import hashlib
 import json
 import os
 import socket
-import subprocess
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig
 
-from hydraddp import lease
 from hydraddp.search import space as search_space
-from hydraddp.search.trial import PRUNERS, TAG_TRIAL, TAG_TRIAL_STATE, TRIAL_ENV, metric_value, pruner
+from hydraddp.search import storage as studies
+from hydraddp.search.launch import gpu_slots, launch_arguments, run_trial
+from hydraddp.search.parent_run import SearchRun
+from hydraddp.search.storage import ERROR, OWNER
+from hydraddp.search.trial import PRUNERS, metric_value, pruner
 
 DIRECTIONS = ("minimize", "maximize")
 METRICS = ("eval/<name>", "train/loss", "perf/samples_per_s", "perf/mfu")
-OWNER = "hydraddp_owner"  # a trial's system attribute: {"host", "pid"} of the sweeper that runs it
-ERROR = "hydraddp_error"  # a failed trial's user attribute: why its launch failed
+GPUS = "hydraddp_gpus"  # a local trial's user attribute: the CUDA_VISIBLE_DEVICES it ran with (gpu_slots)
 
 
 class OptunaSearch(Sweeper):
@@ -39,12 +42,15 @@ class OptunaSearch(Sweeper):
     (Hydra takes sweepers from its plugin package only)."""
 
     def __init__(self, n_trials: int, n_jobs: int, direction: str, storage: str | None, study_name: str | None,
-                 sampler: Any, params: dict[str, str] | None, metric: str, pruner: str) -> None:
+                 sampler: Any, params: dict[str, str] | None, metric: str, pruner: str, heartbeat_interval: int = 30,
+                 grace_period: int = 120) -> None:
         self.n_trials, self.n_jobs, self.direction = n_trials, n_jobs, direction
+        self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
         self.storage, self.study_name, self.sampler = storage, study_name, sampler
         self.params, self.metric, self.pruner = dict(params or {}), metric, pruner
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
+        self.gpu_slots: list[str] = []  # the CUDA_VISIBLE_DEVICES of each trial slot (gpu_slots); none: no split
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -59,48 +65,80 @@ class OptunaSearch(Sweeper):
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # its matplotlib plots
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        storage = self.storage or f"sqlite:///{Path.cwd().resolve() / 'optuna.db'}"
-        with _creating(storage):
+        storage = self._storage()
+        with studies.creating(storage):
             study = optuna.create_study(study_name=self.study_name or default_study_name(space, self.metric),
-                                        storage=storage, sampler=self._sampler(), pruner=pruner(self.pruner),
+                                        storage=studies.open_storage(storage, self.heartbeat_interval,
+                                                                     self.grace_period, _stale),
+                                        sampler=self._sampler(), pruner=pruner(self.pruner),
                                         direction=self.direction, load_if_exists=True)
-        for failed in fail_orphans(study):
+        for failed in studies.fail_orphans(study):
             print(f"hydraddp search: trial {failed} was running when its sweeper died: marked FAIL", flush=True)
         print(f"hydraddp search: study {study.study_name!r} in {storage}: {self.n_trials} trials, {self.n_jobs} at "
               f"a time, {self.direction} {self.metric}", flush=True)
-        tracker = _SearchRun.of(self.config)
-        running: dict[concurrent.futures.Future, Any] = {}
-        failures = 0
-        with concurrent.futures.ThreadPoolExecutor(self.n_jobs) as pool:
-            while True:
-                while len(running) < self.n_jobs and counted(study) < self.n_trials and failures < self.n_trials:
-                    trial = study.ask(space.distributions)
-                    study._storage.set_trial_system_attr(trial._trial_id, OWNER,
-                                                         {"host": socket.gethostname(), "pid": os.getpid()})
-                    overrides = space.fixed + [search_space.as_override(k, v) for k, v in trial.params.items()]
-                    print(f"hydraddp search: trial {trial.number}: {' '.join(overrides[len(space.fixed):])}",
-                          flush=True)
-                    spec = {"storage": storage, "study": study.study_name, "trial_id": trial._trial_id,
-                            "number": trial.number, "metric": self.metric, "pruner": self.pruner,
-                            "keys": list(trial.params)}
-                    running[pool.submit(run_trial, overrides, sweep_dir / f"trial-{trial.number}", spec)] = trial
-                if not running:
-                    break
-                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in done:
-                    trial = running.pop(future)
-                    state = self._tell(study, trial, future.result())
-                    failures += state == "FAIL"
-                    if tracker is not None:
-                        tracker.trial_ended(study, trial.number, state, future.result().get("run_id"))
+        tracker = SearchRun.of(self.config)
+        with studies.Heartbeat(study, self.heartbeat_interval, self.grace_period, _stale) as heartbeat:
+            ended = self._run_trials(study, space, sweep_dir, tracker, heartbeat)
         print(results_table(study), flush=True)
         if tracker is not None:
             tracker.finish(study)
+        write_verdict(sweep_dir, study.study_name, ended)
         return study
+
+    def _run_trials(self, study: Any, space: search_space.Space, sweep_dir: Path, tracker: SearchRun | None,
+                    heartbeat: studies.Heartbeat) -> dict[str, int]:
+        """Keep ``n_jobs`` trials running, each asked the moment a slot frees, until the study holds ``n_trials``
+        (or as many of this sweeper's trials failed); this sweeper's trials by the state they ended in."""
+        running: dict[concurrent.futures.Future, tuple[Any, str | None]] = {}  # -> the trial, its GPUs
+        free_gpus = list(self.gpu_slots)  # the slots of no running trial
+        ended: dict[str, int] = {}
+        with concurrent.futures.ThreadPoolExecutor(self.n_jobs) as pool:
+            while True:
+                while len(running) < self.n_jobs and counted(study) < self.n_trials \
+                        and ended.get("FAIL", 0) < self.n_trials:
+                    gpus = free_gpus.pop(0) if free_gpus else None
+                    trial, future = self._start_trial(pool, study, space, sweep_dir, gpus, heartbeat)
+                    running[future] = (trial, gpus)
+                if not running:
+                    return ended
+                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    trial, gpus = running.pop(future)
+                    heartbeat.remove(trial._trial_id)
+                    if gpus is not None:
+                        free_gpus.append(gpus)
+                    state = self._tell(study, trial, future.result())
+                    ended[state] = ended.get(state, 0) + 1
+                    if tracker is not None:
+                        tracker.trial_ended(study, trial.number, state, future.result().get("run_id"))
+
+    def _start_trial(self, pool: concurrent.futures.Executor, study: Any, space: search_space.Space,
+                     sweep_dir: Path, gpus: str | None,
+                     heartbeat: studies.Heartbeat) -> tuple[Any, concurrent.futures.Future]:
+        """Ask optuna for a trial and start its launch: the sweeper's own launch with the trial's values, on
+        ``gpus`` (``CUDA_VISIBLE_DEVICES``) when the node's are split."""
+        assert self.config is not None
+        trial = study.ask(space.distributions)
+        heartbeat.add(trial._trial_id)
+        study._storage.set_trial_system_attr(trial._trial_id, OWNER, {"host": socket.gethostname(), "pid": os.getpid()})
+        if gpus is not None:
+            study._storage.set_trial_user_attr(trial._trial_id, GPUS, gpus)
+        values = [search_space.as_override(k, v) for k, v in trial.params.items()]
+        print(f"hydraddp search: trial {trial.number}{f' on GPUs {gpus}' if gpus else ''}: {' '.join(values)}",
+              flush=True)
+        spec = {"storage": self._storage(), "study": study.study_name, "trial_id": trial._trial_id,
+                "number": trial.number, "metric": self.metric, "pruner": self.pruner, "keys": list(trial.params)}
+        command = [sys.executable, "-m", "hydraddp", *launch_arguments(self.config), *space.fixed, *values]
+        env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus}
+        return trial, pool.submit(run_trial, command, sweep_dir / f"trial-{trial.number}", spec, env)
 
     def _tell(self, study: Any, trial: Any, outcome: dict[str, Any]) -> str:
         from optuna.trial import TrialState
 
+        stored = study._storage.get_trial(trial._trial_id).state
+        if stored.is_finished():  # another sweeper failed it as stale (this one was cut off for the grace period)
+            print(f"hydraddp search: trial {trial.number} ended, but the study had marked it {stored.name}", flush=True)
+            return stored.name
         if outcome["status"] == "ok" and outcome.get("pruned_step") is not None:
             study.tell(trial, state=TrialState.PRUNED)
             said = f"PRUNED after step {outcome['pruned_step']}"
@@ -111,7 +149,7 @@ class OptunaSearch(Sweeper):
             error = outcome.get("error") or f"{self.metric} was not reported"
             study._storage.set_trial_user_attr(trial._trial_id, ERROR, error[-2000:])
             study.tell(trial, state=TrialState.FAIL)
-            said = f"FAIL: {error.strip().splitlines()[-1] if error.strip() else error}"
+            said = f"FAIL: {failure_line(error)}"
         print(f"hydraddp search: trial {trial.number} {said}", flush=True)
         return study._storage.get_trial(trial._trial_id).state.name
 
@@ -142,7 +180,12 @@ class OptunaSearch(Sweeper):
         except ImportError as exc:
             found.append(f"hydra/sweeper=hydraddp_optuna needs optuna ({exc}): pip install 'hydraddp[search]'.")
         if space is not None and not found:
-            found += config_problems(space, self.hydra_context.config_loader, self.config)
+            found += storage_problems(self._storage(), self.config)
+            cfg, composed = trial_config(space, self.hydra_context.config_loader, self.config)
+            found += composed
+            if cfg is not None and not composed:
+                self.gpu_slots, unsplit = gpu_slots(cfg, self.n_jobs)
+                found += unsplit
         if found:
             print("hydraddp: invalid search; no trial was started:", file=sys.stderr)
             for problem in found:
@@ -150,6 +193,9 @@ class OptunaSearch(Sweeper):
             raise LaunchEnded(EXIT_INVALID)
         assert space is not None
         return space
+
+    def _storage(self) -> str:
+        return self.storage or f"sqlite:///{Path.cwd().resolve() / 'optuna.db'}"
 
     def _sampler(self) -> Any:
         """Hydra instantiated ``sampler`` with the sweeper (its ``_target_``); None is optuna's default."""
@@ -160,38 +206,40 @@ class OptunaSearch(Sweeper):
         return self.sampler
 
 
-def config_problems(space: search_space.Space, loader: Any, config: DictConfig) -> list[str]:
-    """What a launch would refuse, for the search space at a value every trial can take (the low end, the first
-    choice), each naming the searched keys. Composed by Hydra's own loader, as its launchers compose a job's."""
+def trial_config(space: search_space.Space, loader: Any, config: DictConfig) -> tuple[DictConfig | None, list[str]]:
+    """A trial's config at a value every trial can take (the low end, the first choice), composed by Hydra's own
+    loader as its launchers compose a job's (the sweeper's config dir, config name and hydra overrides; ``auto``
+    values undecided), and what a launch of it would refuse, each naming the searched keys."""
     from hydra.errors import HydraException
 
     from hydraddp.config.compose import normalize_overrides
     from hydraddp.preflight.config import problems
+    from hydraddp.sweep import before_submission_problems, submitit_launched
 
     overrides = normalize_overrides(space.fixed + search_space.representative(space))
     searched = ", ".join(space.distributions)
     try:
         cfg = loader.load_sweep_config(config, overrides)
     except (HydraException, ValueError) as exc:
-        return [f"the search over {searched} does not compose: {exc}"]
-    return [f"{problem} (searching {searched})" for problem in problems(cfg)]
+        return None, [f"the search over {searched} does not compose: {exc}"]
+    # A trial through a submitit launcher is one submitted job: checked as its submission is. (On a copy: the checks
+    # decide backend=auto and launcher.nproc_per_node=auto for this machine, which a trial decides for its own.)
+    checked = copy.deepcopy(cfg)
+    found = before_submission_problems(checked, single_job=True) if submitit_launched(cfg) else problems(checked)
+    return cfg, [f"{problem} (searching {searched})" for problem in found]
 
 
-@contextlib.contextmanager
-def _creating(storage: str) -> Iterator[None]:
-    """Two sweepers starting at once on a fresh SQLite file both create optuna's tables, and one fails ("table
-    studies already exists"): they take turns under a lease beside the file (``hydraddp.lease``: not ``flock``, which
-    on cluster mounts locks on each node alone; a holder that dies frees it). A database server creates its tables in
-    transactions of its own."""
-    from hydraddp.tracking.client import sqlite_path
+def storage_problems(storage: str, config: DictConfig) -> list[str]:
+    """A study the trials' ranks cannot reach: under a launcher that runs them on other machines, rank 0 of each
+    trial reports to the storage (pruning), so a file on this machine will not do."""
+    from hydraddp.sweep import remote_launched
 
-    database = sqlite_path(storage)
-    if database is None:
-        yield
-        return
-    database.parent.mkdir(parents=True, exist_ok=True)
-    with lease.held(database.with_name(database.name + ".lease")):
-        yield
+    if remote_launched(config) and not storage.startswith(studies.REMOTE_REACHABLE):
+        return [f"hydra.sweeper.storage={storage} is a file on this machine, and hydra/launcher runs the trials on "
+                "others, whose rank 0 reports to the study. Use a database server every node reaches, e.g. "
+                "hydra.sweeper.storage=postgresql://USER:PASSWORD@HOST/DB, or a journal on a file system they "
+                "share: hydra.sweeper.storage=journal:///shared/study.journal."]
+    return []
 
 
 def default_study_name(space: search_space.Space, metric: str) -> str:
@@ -207,47 +255,36 @@ def counted(study: Any) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))
 
 
-def fail_orphans(study: Any) -> list[int]:
-    """Mark FAIL the RUNNING trials of a sweeper on this host that is gone (a killed sweeper); a live sweeper's
-    trials, and other hosts', are left as they are."""
-    from optuna.trial import TrialState
-
-    host, failed = socket.gethostname(), []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner = trial.system_attrs.get(OWNER)
-        if owner and owner.get("host") == host and not lease.alive(int(owner["pid"])):
-            study._storage.set_trial_user_attr(trial._trial_id, ERROR, "its sweeper died while it ran")
-            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-            failed.append(trial.number)
-    return failed
+def _stale(study: Any, trial: Any) -> None:
+    """A trial that no sweeper beat for for the grace period (its sweeper, or its host, died) was marked FAIL, and
+    so is tried again."""
+    print(f"hydraddp search: trial {trial.number} had no heartbeat for the grace period: marked FAIL", flush=True)
 
 
-def run_trial(overrides: list[str], job_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """One trial: ``python -m hydraddp`` with the trial's overrides in ``job_dir``; its result (``cli.RESULT_FILE``)
-    and the metric's last value, or why it failed (an exit 2 gives its message)."""
-    from hydraddp.cli import RESULT_FILE
+def write_verdict(sweep_dir: Path, study_name: str, ended: dict[str, int]) -> None:
+    """How this sweeper's trials ended, for the search's exit status and its parent run (``hydraddp.sweep``): a
+    search every trial of which failed failed; one with some failed trials (each tried again) did not."""
+    failed, total = ended.get("FAIL", 0), sum(ended.values())
+    verdict = {"study": study_name, "ended": ended, "all_failed": total > 0 and failed == total}
+    from hydraddp.sweep import SEARCH_VERDICT_FILE
 
-    job_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = job_dir.parent / f"{job_dir.name}.log"
-    env = {**os.environ, TRIAL_ENV: json.dumps(spec)}
-    with log.open("w") as out:
-        code = subprocess.call([sys.executable, "-m", "hydraddp", *overrides, f"hydra.run.dir={job_dir}"],
-                               stdout=out, stderr=subprocess.STDOUT, env=env)
-    result_file = job_dir / RESULT_FILE
-    if code != 0 or not result_file.exists():
-        said = log.read_text()[-3000:]
-        return {"status": "failed", "exit_code": code, "error": f"exit {code}: {said}"}
-    result = json.loads(result_file.read_text())
-    value = result_metric(spec["metric"], result)
-    return {"status": "ok", "value": value, "pruned_step": result.get("pruned_step"), "run_id": result.get("run_id")}
+    (sweep_dir / SEARCH_VERDICT_FILE).write_text(json.dumps(verdict, indent=1))
+    if verdict["all_failed"]:
+        print(f"hydraddp search: every trial failed ({failed} of {failed}); see each trial's log beside its "
+              f"directory in {sweep_dir}", flush=True)
+    elif failed:
+        print(f"hydraddp search: {failed} of {total} trials failed (each was tried again)", flush=True)
 
 
-def result_metric(metric: str, result: dict[str, Any]) -> float | None:
-    """The metric's last value in a launch's result: its final evaluation, its last loss, its throughput."""
-    value = metric_value(metric, result.get("eval_metrics") or {}, result.get("final_loss"))
-    if value is None:
-        value = {"perf/samples_per_s": result.get("samples_per_s"), "perf/mfu": result.get("mfu")}.get(metric)
-    return None if value is None else float(value)
+def failure_line(error: str) -> str:
+    """The line of a failed launch's output that says why: its ``hydraddp:`` verdict, with the first problem it
+    lists (``- key=value ...``), else its last line."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("hydraddp:"):
+            following = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith("- ") else ""
+            return f"{line} {following}".strip()
+    return lines[-1] if lines else error
 
 
 def results_table(study: Any) -> str:
@@ -256,6 +293,8 @@ def results_table(study: Any) -> str:
         value = f"{trial.value:12.6g}" if trial.value is not None else "-".rjust(12)
         rows.append(f"{trial.number:>5}  {trial.state.name:8} {value}  "
                     + " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items()))
+        if trial.state.name == "FAIL" and trial.user_attrs.get(ERROR):
+            rows.append(f"{'':>5}  {failure_line(trial.user_attrs[ERROR])}")
     try:
         best = f"best: trial {study.best_trial.number}, value {study.best_value:.6g}, {study.best_params}"
     except ValueError:
@@ -263,96 +302,4 @@ def results_table(study: Any) -> str:
     return "\nhydraddp search: study " + study.study_name + "\n" + "\n".join(rows) + "\n" + best
 
 
-class _SearchRun:
-    """The search's MLflow parent run (made by ``hydraddp.sweep.SweepSummary``): each trial's run tagged with its
-    number and state, and the study's best value, params and child, and optuna's plots, refreshed as trials end."""
-
-    def __init__(self, uri: str, parent_run_id: str):
-        from hydraddp.tracking.client import mlflow_client
-
-        self.uri, self.parent = uri, parent_run_id
-        self.client = mlflow_client(uri)
-        self.ended = 0
-
-    @classmethod
-    def of(cls, config: DictConfig) -> _SearchRun | None:
-        from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
-
-        parent = os.environ.get(PARENT_RUN_ENV)
-        return cls(tracking_uri(config), parent) if config.tracking.enabled and parent else None
-
-    def trial_ended(self, study: Any, number: int, state: str, run_id: str | None) -> None:
-        try:
-            if run_id:
-                self.client.set_tag(run_id, TAG_TRIAL, str(number))
-                self.client.set_tag(run_id, TAG_TRIAL_STATE, state)
-            self.ended += 1
-            self._log_best(study)
-        except Exception as exc:  # the study is the search's record; MLflow is its view
-            print(f"hydraddp search: MLflow was not updated after trial {number}: {exc!r}", flush=True)
-
-    def _log_best(self, study: Any) -> None:
-        from hydraddp.tracking import ui
-
-        try:
-            best = study.best_trial
-        except ValueError:
-            return
-        self.client.log_metric(self.parent, "search/best_value", float(best.value), step=self.ended)
-        self.client.set_tag(self.parent, "hydraddp.best_trial", str(best.number))
-        for key, value in best.params.items():
-            self.client.set_tag(self.parent, f"hydraddp.best.{key}", str(value))
-        run_id = _trial_run(self.client, self.parent, best.number)
-        if run_id:
-            base = ui.ui_base(self.uri)
-            experiment = self.client.get_run(self.parent).info.experiment_id
-            self.client.set_tag(self.parent, "hydraddp.best_trial_run", run_id)
-            if base:
-                self.client.set_tag(self.parent, "hydraddp.best_trial_url", ui.run_url(base, experiment, run_id))
-        self._log_plots(study)
-
-    def _log_plots(self, study: Any) -> None:
-        import tempfile
-
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from optuna.visualization import matplotlib as plots
-
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, draw in (("optimization_history.png", plots.plot_optimization_history),
-                               ("param_importances.png", plots.plot_param_importances)):
-                try:
-                    axes = draw(study)
-                except (ValueError, RuntimeError):  # importances need two finished trials that differ
-                    continue
-                figure = axes.figure if hasattr(axes, "figure") else axes.flat[0].figure
-                figure.savefig(Path(tmp, name), dpi=100, bbox_inches="tight")
-                plt.close(figure)
-                self.client.log_artifact(self.parent, str(Path(tmp, name)), "search")
-
-    def finish(self, study: Any) -> None:
-        try:
-            best = study.best_trial
-        except ValueError:
-            return
-        from mlflow.entities import Param
-
-        params = [Param(f"search/best/{k}", str(v)) for k, v in best.params.items()]
-        params.append(Param("search/best_trial", str(best.number)))
-        existing = self.client.get_run(self.parent).data.params
-        self.client.log_batch(self.parent, params=[p for p in params if p.key not in existing])
-        self.client.log_metric(self.parent, "search/best_value", float(best.value), step=self.ended + 1)
-
-
-def _trial_run(client: Any, parent: str, number: int) -> str | None:
-    from hydraddp.tracking import names
-
-    runs = client.search_runs([client.get_run(parent).info.experiment_id],
-                              f"tags.`{names.TAG_PARENT}` = '{parent}' and tags.`{TAG_TRIAL}` = '{number}'",
-                              max_results=1)
-    return runs[0].info.run_id if runs else None
-
-
-__all__ = ["OptunaSearch", "run_trial"]
+__all__ = ["OptunaSearch"]

@@ -34,8 +34,8 @@ def metric_value(metric: str, eval_metrics: dict[str, float], loss: float | None
 
 
 def describe(cfg: Any) -> str | None:
-    """What this rank trains with of the searched keys (``trial 3: optim.optimizer.lr=0.01``), for its log; None
-    outside a trial. Every rank logs it: the values are the ones its own config holds."""
+    """What this rank trains with of the searched keys (``trial 3: optim.optimizer.lr=0.01``), and on which GPUs,
+    for its log; None outside a trial. Every rank logs it: the values are the ones its own config holds."""
     from omegaconf import OmegaConf
 
     spec = os.environ.get(TRIAL_ENV)
@@ -43,7 +43,8 @@ def describe(cfg: Any) -> str | None:
         return None
     spec = json.loads(spec)
     values = " ".join(f"{key}={OmegaConf.select(cfg, key)!r}" for key in spec.get("keys", []))
-    return f"search trial {spec.get('number')}: {values}"
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")  # the trial's share of the node's GPUs, when the sweeper split them
+    return f"search trial {spec.get('number')}: {values}" + (f" (CUDA_VISIBLE_DEVICES={gpus})" if gpus else "")
 
 
 class TrialReporter:
@@ -55,7 +56,10 @@ class TrialReporter:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.metric = spec["metric"]
         # The pruner is not in the storage: each process that asks names its own (load_study's default is median's).
-        study = optuna.load_study(study_name=spec["study"], storage=spec["storage"], pruner=pruner(spec["pruner"]))
+        from hydraddp.search.storage import open_storage
+
+        study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
+                                  pruner=pruner(spec["pruner"]))
         self.trial = optuna.Trial(study, spec["trial_id"])
 
     @classmethod
@@ -64,8 +68,13 @@ class TrialReporter:
         return cls(json.loads(spec)) if spec else None
 
     def should_prune(self, step: int, eval_metrics: dict[str, float], loss: float | None = None) -> bool:
+        import optuna
+
         value = metric_value(self.metric, eval_metrics, loss)
         if value is None:
             return False
-        self.trial.report(float(value), step)
+        try:
+            self.trial.report(float(value), step)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return True  # the study ended the trial (its sweeper was lost): nobody waits for the rest
         return self.trial.should_prune()

@@ -36,14 +36,18 @@ subprocess.run(["scontrol", "update", "nodename=c2", "state=down", "reason=lost-
 lost_at = time.monotonic()
 state = sacct_when_ended(job, timeout=120).get(job, {}).get("State", "")
 ended_s = time.monotonic() - lost_at
-# Slurm's SIGTERM reached the ranks before its SIGKILL: they may have checkpointed one more step together.
-complete = sorted(p.name for p in (job_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
 if state != "NODE_FAIL":
     fail(CHECK, f"sacct says job {job} is {state!r} after c2 went down, not NODE_FAIL")
-left = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
-if left:
-    fail(CHECK, f"job {job} is still in the queue: {left}")
-print(f"job {job} ended {state} {ended_s:.1f} s after c2 went down; complete checkpoints: {complete}", flush=True)
+# sacct may say NODE_FAIL while squeue still shows the job COMPLETING (CG): c1's slurmd is still ending its tasks
+# (SIGTERM, then SIGKILL after KillWait=10 s). No rank may outlive that.
+while left := subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+    if time.monotonic() - lost_at > 90:
+        fail(CHECK, f"job {job} is still in the queue 90 s after c2 went down: {left}")
+    time.sleep(1)
+# Slurm's SIGTERM reached the ranks before its SIGKILL: they may have checkpointed one more step together.
+complete = sorted(p.name for p in (job_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+print(f"job {job} ended {state} {ended_s:.1f} s after c2 went down, left the queue "
+      f"{time.monotonic() - lost_at:.1f} s after; complete checkpoints: {complete}", flush=True)
 
 # Relaunched on c1 alone: the same script and job directory, its options overriding the script's.
 sbatch(CHECK, "srun.sbatch", *TRAINING, "checkpoint.resume=latest", f"hydra.run.dir=runs/{job}",

@@ -70,11 +70,11 @@ def test_several_nodes_through_the_slurm_launcher_need_no_rendezvous_address(mon
     from hydraddp.clusters.submitit import SINGLE_JOB_ENV
     from hydraddp.config.compose import compose
     from hydraddp.preflight.config import problems
-    from hydraddp.sweep import _before_submission_problems
+    from hydraddp.sweep import before_submission_problems
 
     readme = ["launcher.nnodes=2", "launcher.nproc_per_node=2", "backend=gloo", "wrap=fsdp2",
               "tracking.uri=http://mlflow:5000"]
     monkeypatch.setenv(SINGLE_JOB_ENV, "1")  # one launch (no -m), as clusters.submitit.prepare_argv marks it
-    assert _before_submission_problems(compose(["hydra/launcher=slurm", *readme], return_hydra_config=True)) == []
+    assert before_submission_problems(compose(["hydra/launcher=slurm", *readme], return_hydra_config=True)) == []
     local = [str(p) for p in problems(compose(readme))]
     assert any("launcher.nnodes=2 needs a rendezvous address every node can reach" in p for p in local), local

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hydraddp.tracking import names
-from tests.helpers.spawn import assert_no_orphans, child_env, run_cli
+from tests.helpers.spawn import REPO, assert_no_orphans, child_env, run_cli, run_process
 from tests.tracking.test_mlflow import runs_of, tracked
 
 optuna = pytest.importorskip("optuna")
@@ -27,9 +27,9 @@ QUICK = ["trainer.max_steps=20", "trainer.eval_every=5", "trainer.log_every=5", 
 def study(path: Path, name: str):
     """The study, read as a sweeper would: under the lease its sweeper creates the file's tables with (opening a
     fresh file while they are made races their creation)."""
-    from hydraddp.search.sweeper import _creating
+    from hydraddp.search.storage import creating
 
-    with _creating(f"sqlite:///{path}"):
+    with creating(f"sqlite:///{path}"):
         return optuna.load_study(study_name=name, storage=f"sqlite:///{path}")
 
 
@@ -110,11 +110,24 @@ def test_a_bad_search_space_is_exit_2_naming_it(tmp_path):
     assert not (tmp_path / "optuna.db").exists()  # nothing was started
 
 
-def _sweeper(tmp_path: Path, token: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hydraddp", *SEARCH, f"{LR}=tag(log, interval(1e-4, 1e-1))",
-                             "hydra.sweeper.storage=sqlite:///shared.db", "hydra.sweeper.study_name=shared",
-                             "tracking.enabled=false", *QUICK, *args], cwd=tmp_path, env=child_env(token),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _sweeper(tmp_path: Path, token: str, *args: str, storage: str = "sqlite:///shared.db",
+             host: str | None = None) -> subprocess.Popen:
+    """A sweeper of the study "shared"; on ``host``, a host name of its own (a UTS namespace: root only)."""
+    command = [sys.executable, "-m", "hydraddp", *SEARCH, f"{LR}=tag(log, interval(1e-4, 1e-1))",
+               f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=shared", "tracking.enabled=false", *QUICK,
+               *args]
+    if host is not None:
+        command = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *command]
+    return subprocess.Popen(command, cwd=tmp_path, env=child_env(token), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _trials(storage: str):
+    from hydraddp.search.storage import journal_path, open_storage
+
+    if journal_path(storage) is None:
+        return study(Path(storage.removeprefix("sqlite:///")), "shared").get_trials()
+    return optuna.load_study(study_name="shared", storage=open_storage(storage)).get_trials()
 
 
 @pytest.mark.slow
@@ -132,26 +145,147 @@ def test_two_sweepers_share_one_study(tmp_path):
     assert 4 <= len(trials) <= 5 and all(t.state.name == "COMPLETE" for t in trials)
 
 
+# A sweeper killed on this host is seen dead at once (its pid); one on another host, or whose host was lost, only
+# by the heartbeat it no longer records: optuna's for a database, a trial attribute for a journal.
+KILLED = [("this host", "sqlite:///{tmp}/shared.db", "trial 0 was running when its sweeper died: marked FAIL"),
+          ("another host", "sqlite:///{tmp}/shared.db", "trial 0 had no heartbeat for the grace period: marked FAIL"),
+          ("another host", "journal:///{tmp}/shared.journal",
+           "trial 0 had no heartbeat for the grace period: marked FAIL")]
+
+
 @pytest.mark.slow
-def test_a_killed_sweepers_study_resumes_and_its_running_trial_is_failed(tmp_path):
+@pytest.mark.parametrize("where, storage, said", KILLED, ids=["this-host", "other-host-sqlite", "other-host-journal"])
+def test_a_killed_sweepers_study_resumes_and_its_running_trial_is_failed(tmp_path, where, storage, said):
+    if where != "this host" and os.geteuid() != 0:
+        pytest.skip("another host name needs root (a UTS namespace)")
+    storage = storage.format(tmp=tmp_path)
     token = uuid.uuid4().hex
-    killed = _sweeper(tmp_path, token, "hydra.sweeper.n_trials=2", "trainer.max_steps=400")
+    killed = _sweeper(tmp_path, token, "hydra.sweeper.n_trials=2", "trainer.max_steps=400", storage=storage,
+                      host=None if where == "this host" else "elsewhere")
     deadline = time.monotonic() + 180
-    while True:  # until its first trial is running
+    while not list(tmp_path.glob("multirun/*/*/trial-0/logs/rank0.log")):  # until its first trial trains
         assert time.monotonic() < deadline and killed.poll() is None, killed.stdout.read()[-3000:]
-        if (tmp_path / "shared.db").exists():
-            running = [t for t in study(tmp_path / "shared.db", "shared").get_trials()
-                       if t.state.name == "RUNNING"]
-            if running:
-                break
         time.sleep(0.5)
-    time.sleep(3)  # inside its launch
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     assert_no_orphans(token, grace_s=30)
-    again = _sweeper(tmp_path, token, "hydra.sweeper.n_trials=2")
+    again = _sweeper(tmp_path, token, "hydra.sweeper.n_trials=2", "hydra.sweeper.heartbeat_interval=1",
+                     "hydra.sweeper.grace_period=4", storage=storage)
     out = again.communicate(timeout=600)[0]
     assert again.returncode == 0, out[-3000:]
-    assert "trial 0 was running when its sweeper died: marked FAIL" in out
-    states = [t.state.name for t in study(tmp_path / "shared.db", "shared").get_trials()]
-    assert states == ["FAIL", "COMPLETE", "COMPLETE"]
+    assert said in out, out[-3000:]
+    assert [t.state.name for t in _trials(storage)] == ["FAIL", "COMPLETE", "COMPLETE"]
+
+
+def _user_package(root: Path, extra: str = "") -> dict[str, str]:
+    """The README's own package and config dir (tests/test_your_own_package.py) under ``root``; its PYTHONPATH."""
+    import textwrap
+
+    from tests.test_your_own_package import PACKAGE
+
+    for path, text in PACKAGE.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(textwrap.dedent(text) + (textwrap.dedent(extra) if path == "mypkg/parts.py" else ""))
+    return {"PYTHONPATH": os.pathsep.join([str(root), str(REPO)])}
+
+
+@pytest.mark.slow
+def test_a_search_with_a_users_config_dir_runs_every_trial_as_its_launch_on_gpus_of_its_own(tmp_path):
+    """The README's ``--config-dir myconf model=tiny`` pattern under the search: every trial is the sweeper's launch
+    (its config dir, and its hydra.* overrides but its own) with the trial's values. Two at a time on four GPUs (the
+    driver's listing, faked: root only), each gets two of its own."""
+    env = _user_package(tmp_path / "user")
+    search = ["--config-dir", str(tmp_path / "user" / "myconf"), *SEARCH[:2], "launcher.nproc_per_node=auto",
+              "model=tiny", "data=blobs", "task=hinge", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+              "hydra.job.name=mine", "hydra.sweep.dir=sweep", f"{LR}=tag(log, interval(1e-3, 1e-1))",
+              "tracking.enabled=false", *QUICK]
+    done = run_process(_with_fake_gpus(sys.executable, "-m", "hydraddp", *search), cwd=tmp_path, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trials = study(tmp_path / "optuna.db", re.search(r"study '(\S+)'", done.stdout)[1]).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    devices = []
+    for number in (0, 1):
+        job = tmp_path / "sweep" / f"trial-{number}"
+        assert "_target_: mypkg.parts.TinyNet" in (job / ".hydra" / "config.yaml").read_text()
+        hydra = (job / ".hydra" / "hydra.yaml").read_text()
+        assert "- hydra.job.name=mine" in hydra and "hydra.sweeper" not in hydra  # carried, the sweeper's own not
+        # Each rank of the trial saw its two GPUs (its own log, from its own environment).
+        [seen] = set(rank_values(job).values())
+        devices.append(re.search(r"CUDA_VISIBLE_DEVICES=(\S+)\)", seen)[1])
+    assert sorted(devices) == ["0,1", "2,3"]
+
+
+@pytest.mark.slow
+def test_a_search_whose_every_trial_failed_exits_1_with_its_parent_failed(mlflow_server, tmp_path):
+    env = _user_package(tmp_path / "user", '''
+
+        class Broken(TinyNet):
+            def forward(self, points):
+                raise RuntimeError("broken on purpose")
+    ''')
+    experiment = f"failed-{uuid.uuid4().hex[:6]}"
+    done = run_cli("--config-dir", str(tmp_path / "user" / "myconf"), *SEARCH, "model=tiny",
+                   "model._target_=mypkg.parts.Broken", "model.width=16", "data=blobs", "task=hinge",
+                   "hydra.sweeper.n_trials=2", f"{LR}=tag(log, interval(1e-3, 1e-1))", *QUICK,
+                   *tracked(mlflow_server, experiment), cwd=tmp_path / "run", env=env, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "every trial failed (2 of 2)" in done.stdout
+    table = done.stdout[done.stdout.index("\nhydraddp search: study "):done.stdout.index("no trial completed")]
+    failures = re.findall(r"rank \d failed: RuntimeError: broken on purpose", table)
+    assert table.count(" FAIL ") == 2 and len(failures) == 2, table
+    [parent] = [r for r in runs_of(mlflow_server, experiment) if names.TAG_SWEEP in r.data.tags]
+    assert parent.info.status == "FAILED"
+
+
+# Four GPUs, as the NVIDIA driver lists them in /proc, in a mount namespace of the sweeper's own (root only).
+FAKE_GPUS = ("mount -t tmpfs none /proc/driver && for bus in 01 02 03 04; do mkdir -p "
+             "/proc/driver/nvidia/gpus/0000:$bus:00.0; done && exec \"$@\"")
+
+
+def _with_fake_gpus(*command: str) -> list[str]:
+    if os.geteuid() != 0:
+        pytest.skip("faking the GPU listing needs root (a mount namespace)")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", FAKE_GPUS, "sh", *command]
+
+
+def test_more_trials_at_once_than_gpus_is_exit_2_before_any_trial(tmp_path):
+
+    command = _with_fake_gpus(sys.executable, "-m", "hydraddp", *SEARCH[:2], "launcher.nproc_per_node=2",
+                              "hydra.sweeper.n_jobs=3", f"{LR}=choice(0.01, 0.02)", "tracking.enabled=false")
+    done = run_process(command, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("hydra.sweeper.n_jobs=3 trials at a time of launcher.nproc_per_node=2 need 6 GPUs, and 4 are visible "
+            "here (0,1,2,3): lower hydra.sweeper.n_jobs to 2") in done.stderr, done.stderr
+    assert not (tmp_path / "optuna.db").exists()
+
+
+def test_a_sqlite_study_for_trials_on_other_machines_is_exit_2(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra: pip install 'hydraddp[slurm]'")
+    done = run_cli(*SEARCH[:2], "hydra/launcher=slurm", "launcher.nproc_per_node=2", f"{LR}=choice(0.01, 0.02)",
+                   "tracking.uri=http://mlflow:5000", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "hydra.sweeper.storage=sqlite:///" in done.stderr and "postgresql://" in done.stderr, done.stderr
+    assert not (tmp_path / "optuna.db").exists()
+
+
+def test_gpu_slots_split_the_visible_gpus_between_the_trials_running_at_once(tmp_path):
+    from hydraddp.config.compose import compose
+    from hydraddp.search.launch import gpu_slots
+
+    listing = tmp_path / "gpus"
+    for bus in range(8):
+        (listing / f"0000:0{bus}:00.0").mkdir(parents=True)
+
+    def slots(n_jobs: int, *overrides: str, visible: str | None = None):
+        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        return gpu_slots(compose(list(overrides), return_hydra_config=True), n_jobs, env, listing)
+
+    assert slots(4, "launcher.nproc_per_node=auto") == (["0,1", "2,3", "4,5", "6,7"], [])
+    assert slots(3, "launcher.nproc_per_node=auto") == (["0,1", "2,3", "4,5"], [])
+    assert slots(2, "launcher.nproc_per_node=1", "backend=nccl", visible="5,7,2") == (["5", "7"], [])
+    assert slots(2, "backend=gloo") == ([], [])  # a backend that does not use them: nothing to split
+    no_driver = tmp_path / "none"
+    assert gpu_slots(compose(["launcher.nproc_per_node=2"], return_hydra_config=True), 2, {}, no_driver) == ([], [])
+    [problem] = slots(3, "launcher.nproc_per_node=2", visible="0,1,2,3")[1]
+    assert "hydra.sweeper.n_jobs=3 trials at a time of launcher.nproc_per_node=2 need 6 GPUs, and 4 are" in problem
+    assert slots(9, "launcher.nproc_per_node=auto")[1]  # fewer GPUs than trials: not even one each
