@@ -83,6 +83,8 @@ def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
 
     files = sorted(sweep_dir.glob(f"*/{OUTCOME_FILE}"), key=lambda f: int(f.parent.name) if f.parent.name.isdigit()
                    else 0)
+    # One job whose directory is the sweep's own (hydra.sweep.subdir=.): a search's trial (search.launch.trial_output).
+    files += [f for f in [sweep_dir / OUTCOME_FILE] if f.exists()]
     return [json.loads(f.read_text()) for f in files]
 
 

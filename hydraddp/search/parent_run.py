@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,9 @@ class SearchRun:
             for name, draw in (("optimization_history.png", plots.plot_optimization_history),
                                ("param_importances.png", plots.plot_param_importances)):
                 try:
-                    axes = draw(study)
+                    with warnings.catch_warnings():  # importances of trials that all tie: equal, and it warns so
+                        warnings.simplefilter("ignore", UserWarning)
+                        axes = draw(study)
                 except (ValueError, RuntimeError):  # importances need two finished trials that differ
                     continue
                 figure = axes.figure if hasattr(axes, "figure") else axes.flat[0].figure

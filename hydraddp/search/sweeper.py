@@ -63,6 +63,8 @@ class OptunaSearch(Sweeper):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # its matplotlib plots
+        # The heartbeat is recorded by this sweeper for its trials, asked and told by hand (storage.Heartbeat).
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage = self._storage()

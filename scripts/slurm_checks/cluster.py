@@ -4,6 +4,7 @@ ctl, the login node of deploy/slurm/compose.yml): running a command there, Slurm
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,10 @@ def run(check: str, args: list[str], timeout: int = 300) -> subprocess.Completed
     checks'), echoed, with its output kept (and shown when the check fails)."""
     cwd = HOME / check
     cwd.mkdir(parents=True, exist_ok=True)
-    print("$ " + " ".join(args), flush=True)
+    said = " ".join(args)
+    for secret in filter(None, [os.environ.get("POSTGRES_PASSWORD")]):  # a study's storage URL holds it
+        said = said.replace(secret, "***")
+    print("$ " + said, flush=True)
     done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     print(done.stdout[-2000:] + done.stderr[-2000:], end="", flush=True)
     return done
