@@ -279,14 +279,14 @@ def _stop_preempted(preempted: dict[str, Any], plan: Any, tracker: Any, outcome:
         writer.close()
         tracker.finish(KILLED, error=f"preempted by {preempted['signal']} after step {preempted['step']}",
                        timeout_s=plan.config["tracking"]["flush_timeout_s"])
-    if submitit_task.in_task():
-        submitit_task.requeue(rank, EXIT_PREEMPTED)
+    error = f"preempted at step {preempted['step']}"
+    if submitit_task.in_task():  # requeued (this process ends), unless submitit will not requeue it again
+        error += f"; {submitit_task.requeue(rank, EXIT_PREEMPTED)}"
     if plan.leads:
         print(f"hydraddp: stopped by {preempted['signal']} after step {preempted['step']}: every rank wrote checkpoint "
               f"{preempted['checkpoint']}. Resume with the same command and hydra.run.dir={plan.job_dir} "
               f"(or checkpoint.resume={preempted['checkpoint']}).", file=sys.stderr, flush=True)
-    return _ended({**outcome, "status": "preempted", "error": f"preempted at step {preempted['step']}"},
-                  plan.sweeping, EXIT_PREEMPTED)
+    return _ended({**outcome, "status": "preempted", "error": error}, plan.sweeping, EXIT_PREEMPTED)
 
 
 LAST_FRAMES = 3

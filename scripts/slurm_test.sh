@@ -33,7 +33,7 @@ for arg in "$@"; do
   esac
 done
 # Every check, in this order (the cluster is shared: each one's jobs end before the next is submitted).
-[ ${#checks[@]} -gt 0 ] || checks=(submit sweep srun claim refusal requeue lostnode search)
+[ ${#checks[@]} -gt 0 ] || checks=(submit sweep srun claim refusal requeue timelimit lostnode search)
 started=$(date +%s)
 WORK=$(mktemp -d /tmp/hydraddp-slurm.XXXXXX)
 say() { echo "slurm_test: [$(( $(date +%s) - started )) s] $*"; }

@@ -69,21 +69,27 @@ def attach() -> None:
 REQUEUE_WAIT_S = 30.0
 
 
-def requeue(rank: int, exit_code: int) -> NoReturn:
-    """After a preemption checkpoint: rank 0 asks submitit to requeue the job (its handler exits this process).
-    The other ranks exit with ``exit_code``; on Slurm only once the requeue stopped them, or after
-    ``REQUEUE_WAIT_S``: a task that ended first, non-zero, could end the job FAILED before rank 0's `scontrol requeue`
-    (seen on a real Slurm: the submitting side then read the job FAILED and raised). submitit's own handler leaves
-    them running for the same reason ("it might kill the master task")."""
+def requeue(rank: int, exit_code: int) -> str:
+    """After a preemption checkpoint: rank 0 asks submitit to requeue the job (its handler exits this process), and
+    returns only when submitit will not (a job that timed out ``max_num_timeout`` times): why, for the launch's
+    outcome, which then ends as a preempted launch (its checkpoint resumes). The other ranks exit with ``exit_code``;
+    on Slurm only once the requeue stopped them, or after ``REQUEUE_WAIT_S``: a task that ended first, non-zero, could
+    end the job FAILED before rank 0's `scontrol requeue` (seen on a real Slurm: the submitting side then read the job
+    FAILED and raised). submitit's own handler leaves them running for the same reason ("it might kill the master
+    task")."""
     if rank == 0:
         import signal
 
         from submitit import JobEnvironment
+        from submitit.core.utils import UncompletedJobError
 
         signum = JobEnvironment._usr_sig()
         handler = signal.getsignal(signum)  # submitit's checkpoint_and_try_requeue, restored after training
         if callable(handler):
-            handler(signum, None)  # requeues, then exits (raises if submitit will not requeue)
+            try:
+                handler(signum, None)  # requeues, then exits
+            except UncompletedJobError as exc:  # "Job not requeued because: timed-out too many times."
+                return str(exc)
     elif os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         import time
 

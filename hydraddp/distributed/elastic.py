@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -57,6 +58,8 @@ class _Entry:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
                 signal.signal(sig, signal.SIG_DFL)
+        if self.failure_dir is not None:  # where the launcher finds its workers (_forwarding)
+            Path(self.failure_dir, f"{os.getpid()}{WORKER_PID_SUFFIX}").touch()
         for key, value in self.env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -185,6 +188,35 @@ def _quiet_elastic_errors() -> Iterator[None]:
 
 
 
+WORKER_PID_SUFFIX = ".worker"  # a worker's file in its launch's scratch directory, named by its pid
+FORWARDED_SIGNALS = ("SIGUSR1", "SIGUSR2")
+
+
+@contextlib.contextmanager
+def _forwarding(workers_dir: str) -> Iterator[None]:
+    """torch's agent stops the workers on SIGTERM, SIGINT, SIGHUP and SIGQUIT; any other stop signal a job is sent
+    (Slurm's SIGUSR1 or SIGUSR2 before a time limit, to every process of the job; ``kill -USR2`` to the launcher)
+    would end the agent itself and orphan its workers. The launcher passes it on to its workers instead (each
+    registered its pid in ``workers_dir``), which stop together at a step they agree on; a worker that had it
+    already takes the second as the same request."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for registered in Path(workers_dir).glob(f"*{WORKER_PID_SUFFIX}"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(registered.name.removesuffix(WORKER_PID_SUFFIX)), signum)
+
+    numbers = [getattr(signal, name) for name in FORWARDED_SIGNALS if hasattr(signal, name)]
+    previous = {number: signal.signal(number, forward) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def _one_thread_per_rank(nproc_per_node: int) -> dict[str, str]:
     # torchrun's rule: N ranks must not fight over the same cores, unless the user chose.
     return {"OMP_NUM_THREADS": "1"} if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1 else {}
@@ -238,7 +270,7 @@ def launch(
     entry = _Entry(model_cls, backend, fn, args, kwargs, init_kwargs, failure_dir,
                    forked=config.start_method == "fork")
     try:
-        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors():
+        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors(), _forwarding(failure_dir):
             return elastic_launch(config, _run_entry)(entry)
     except ChildFailedError as exc:
         raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None

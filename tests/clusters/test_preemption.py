@@ -3,10 +3,13 @@ directory resumes into the same MLflow run, and the result equals an uninterrupt
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,21 +45,33 @@ def run_of(uri: str):
     return client, run
 
 
-def test_sigterm_to_a_local_launch_checkpoints_every_rank_at_one_step_and_exits_3_then_resumes(tmp_path):
+def signal_every_process(signum: int):
+    """Send ``signum`` to every process of the launch (its session: the launcher, its ranks, the MLflow tracker in
+    a process group of its own), as Slurm signals every process of a job before its time limit."""
+    def send(proc) -> None:
+        for pid in (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()):
+            with contextlib.suppress(OSError):
+                if os.getsid(pid) == proc.pid:
+                    os.kill(pid, signum)
+    return send
+
+
+def test_sigusr2_to_every_process_of_a_local_launch_checkpoints_every_rank_at_one_step_and_exits_3_then_resumes(
+        tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     done = interrupt_when([sys.executable, "-m", "hydraddp", *STEPS, f"tracking.uri={uri}"],
                           ready=logged(r"step 50 loss", "outputs/*/*/logs/rank*.log", tmp_path), cwd=tmp_path,
-                          send=lambda proc: proc.send_signal(signal.SIGTERM))
+                          send=signal_every_process(signal.SIGUSR2))
     assert done.returncode == 3, done.stderr[-3000:]
     [job] = job_dirs(tmp_path)
     [marker] = json.loads((job / "preempted.json").read_text())
     step = marker["step"]
-    assert 50 <= step < 200 and marker["signal"] == "SIGTERM"
+    assert 50 <= step < 200 and marker["signal"] == "SIGUSR2"
     checkpoint = job / "checkpoints" / f"step_{step:08d}"
     assert marker["checkpoint"] == str(checkpoint) and (checkpoint / "meta.json").exists()
     assert sorted(p.name for p in checkpoint.glob("rng_rank*.json")) == ["rng_rank0.json", "rng_rank1.json"]
-    assert f"stopped by SIGTERM after step {step}" in done.stderr and f"hydra.run.dir={job}" in done.stderr
-    client, run = run_of(uri)
+    assert f"stopped by SIGUSR2 after step {step}" in done.stderr and f"hydra.run.dir={job}" in done.stderr
+    client, run = run_of(uri)  # the tracker outlived the signal (it once died of it, and the run stayed RUNNING)
     assert run.info.status == "KILLED" and json.loads(run.data.tags["hydraddp.preempted"])["step"] == step
 
     resumed = run_cli(*STEPS, f"tracking.uri={uri}", f"hydra.run.dir={job}", cwd=tmp_path, timeout=240)
