@@ -183,7 +183,7 @@ def test_help_lists_every_group_and_its_options(tmp_path):
     assert "backend: auto, gloo, horovod, mpi, nccl, none" in done.stdout
     assert "offload: cpu, none" in done.stdout
     assert "task: causal_lm, classification" in done.stdout
-    assert "experiment: gpt_fsdp2, quick, wrap_sweep" in done.stdout
+    assert "experiment: fastest_fit, gpt_fsdp2, quick, wrap_sweep" in done.stdout
 
 
 def test_a_failing_worker_exits_1_with_one_short_block(tmp_path):

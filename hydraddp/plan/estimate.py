@@ -132,6 +132,20 @@ def _first_batch(cfg: DictConfig) -> Any:
         return next(iter(data.train_loader(train_set, cfg.data.batch_size, 0, cfg.trainer.seed, data_mesh(cfg))))
 
 
+class _SampleWeighted:
+    """The task, its accumulated micro-batches weighed by their samples, not by its ``loss_weight``: a fake batch
+    has no values to count the tokens of (``int()`` of a fake tensor raises), and the weights change no tensor's
+    size."""
+
+    def __init__(self, task: Any):
+        self._task = task
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loss_weight":
+            raise AttributeError(name)
+        return getattr(self._task, name)
+
+
 def estimate(cfg: DictConfig, world_size: int, rank: int = 0) -> Estimate:
     """Plan ``cfg`` (composed and validated, ``backend=auto`` decided) as ``rank`` of ``world_size``."""
     from hydraddp.parallel.precision import precision_spec
@@ -205,7 +219,7 @@ def _simulate(cfg: DictConfig, world_size: int, rank: int, on_cuda: bool = False
             parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
         if on_cuda:
             cuda.foreach_as_on_cuda(optimizer)
-        task, scaler, trainer = instantiate(cfg.task, "task"), idist.grad_scaler(model), cfg.trainer
+        task, scaler, trainer = _SampleWeighted(instantiate(cfg.task, "task")), idist.grad_scaler(model), cfg.trainer
         step = lambda: train_step(model, task, batch, optimizer, scaler, trainer.grad_clip, False,  # noqa: E731
                                   trainer.accumulate_grad_batches)
         step()  # the first step makes the optimizer state, as in the run

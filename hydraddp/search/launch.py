@@ -8,6 +8,8 @@ import json
 import os
 import re
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ def launch_arguments(config: DictConfig) -> list[str]:
             continue
         if source.provider == "command-line":
             found.append(f"--config-dir={source.path}")
-        elif source.provider == "main" and Path(source.path).resolve() != CONF_DIR:
+        elif source.provider == "main" and Path(source.path).resolve() != CONF_DIR.resolve():
             found.append(f"--config-path={source.path}")
     if hydra.job.config_name != "config":
         found.append(f"--config-name={hydra.job.config_name}")
@@ -45,13 +47,18 @@ def trial_output(job_dir: Path) -> list[str]:
     return [f"hydra.run.dir={job_dir}", f"hydra.sweep.dir={job_dir}", "hydra.sweep.subdir=."]
 
 
-def run_trial(command: list[str], job_dir: Path, spec: dict[str, Any],
-              env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_trial(command: list[str], job_dir: Path, spec: dict[str, Any], metrics: list[str],
+              env: dict[str, str] | None = None, budget: Budget | None = None) -> dict[str, Any]:
     """One trial: ``command`` (``python -m hydraddp`` with the sweeper's launch arguments and the trial's values)
     writing in ``job_dir``, with ``env`` added to the sweeper's environment; its result (``cli.RESULT_FILE``) and the
-    metric's last value, or why it failed (an exit 2 gives its message)."""
+    last value of each of ``metrics``, or why it failed (an exit 2 gives its message). With a ``budget``, a trial
+    whose plan does not fit it is not launched: ``{"status": "over_budget", ...}``, in seconds."""
     from hydraddp.cli import RESULT_FILE
 
+    if budget is not None:
+        over = budget.exceeded()
+        if over:
+            return {"status": "over_budget", "error": over}
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     log = job_dir.parent / f"{job_dir.name}.log"
     env = {**os.environ, **(env or {}), TRIAL_ENV: json.dumps(spec)}
@@ -62,15 +69,52 @@ def run_trial(command: list[str], job_dir: Path, spec: dict[str, Any],
         said = log.read_text()[-3000:]
         return {"status": "failed", "exit_code": code, "error": f"exit {code}: {said}"}
     result = json.loads(result_file.read_text())
-    value = result_metric(spec["metric"], result)
-    return {"status": "ok", "value": value, "pruned_step": result.get("pruned_step"), "run_id": result.get("run_id")}
+    values = [result_metric(metric, result) for metric in metrics]
+    return {"status": "ok", "values": values, "pruned_step": result.get("pruned_step"), "run_id": result.get("run_id")}
+
+
+@dataclass
+class Budget:
+    """A trial's config (resolved, as a launch decides it) and the memory one rank may use: its plan must fit."""
+
+    config: dict[str, Any]
+    world_size: int
+    budget_gb: float
+
+    def exceeded(self) -> str | None:
+        """Why the trial's plan does not fit (its planned peak per rank), or None when it fits. A config the plan
+        cannot simulate is launched: the launch is the judge then."""
+        request = json.dumps({"config": self.config, "world_size": self.world_size})
+        done = subprocess.run([sys.executable, "-m", "hydraddp.plan.record"], input=request, capture_output=True,
+                              text=True, check=False)
+        lines = done.stdout.strip().splitlines()
+        plan = json.loads(lines[-1]) if done.returncode == 0 and lines else {}
+        peak = plan.get("peak_bytes")
+        if peak is None or peak <= self.budget_gb * 2**30:
+            return None
+        return (f"its plan's peak is {peak / 2**30:.3g} GiB per rank, over the memory budget of {self.budget_gb:g} "
+                "GiB: not launched")
+
+
+RESULT_METRICS = {"perf/samples_per_s": lambda r: r.get("samples_per_s"), "perf/mfu": lambda r: r.get("mfu"),
+                  # the largest rank's peak device (or host) memory over the run, in GiB
+                  "memory/peak_gib": lambda r: max(r.get("peak_memory_bytes") or [0]) / 2**30 or None,
+                  # the largest rank's tensor peak over its second step (what the plan predicts; plan.measure)
+                  "memory/peak_tensor_gib": lambda r: max((p["peak_bytes"] for p in r.get("tensor_peaks") or []),
+                                                          default=0) / 2**30 or None}
+
+
+def known_metric(metric: str) -> bool:
+    """Whether a launch ends with ``metric``: ``eval/<name>``, ``train/loss``, or one of ``RESULT_METRICS``."""
+    return metric.startswith("eval/") or metric == "train/loss" or metric in RESULT_METRICS
 
 
 def result_metric(metric: str, result: dict[str, Any]) -> float | None:
-    """The metric's last value in a launch's result: its final evaluation, its last loss, its throughput."""
+    """The metric's last value in a launch's result: its final evaluation, its last loss, its throughput, its peak
+    memory."""
     value = metric_value(metric, result.get("eval_metrics") or {}, result.get("final_loss"))
-    if value is None:
-        value = {"perf/samples_per_s": result.get("samples_per_s"), "perf/mfu": result.get("mfu")}.get(metric)
+    if value is None and metric in RESULT_METRICS:
+        value = RESULT_METRICS[metric](result)
     return None if value is None else float(value)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import warnings
 from pathlib import Path
@@ -13,6 +14,9 @@ from omegaconf import DictConfig
 from hydraddp.search.trial import TAG_TRIAL, TAG_TRIAL_STATE
 
 
+MAX_TAG = 5000  # MLflow's limit on a tag's value (its SQL stores)
+
+
 class SearchRun:
     """The search's MLflow parent run (made by ``hydraddp.sweep.SweepSummary``): each trial's run tagged with its
     number and state, and the study's best value, params and child, refreshed as trials end, and optuna's plots every
@@ -20,20 +24,20 @@ class SearchRun:
 
     PLOT_EVERY = 5
 
-    def __init__(self, uri: str, parent_run_id: str):
+    def __init__(self, uri: str, parent_run_id: str, metrics: list[str]):
         from hydraddp.tracking.client import mlflow_client
 
-        self.uri, self.parent = uri, parent_run_id
+        self.uri, self.parent, self.metrics = uri, parent_run_id, metrics
         self.client = mlflow_client(uri)
         self.ended = 0
         self._updates = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hydraddp-search-mlflow")
 
     @classmethod
-    def of(cls, config: DictConfig) -> SearchRun | None:
+    def of(cls, config: DictConfig, metrics: list[str]) -> SearchRun | None:
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
 
         parent = os.environ.get(PARENT_RUN_ENV)
-        return cls(tracking_uri(config), parent) if config.tracking.enabled and parent else None
+        return cls(tracking_uri(config), parent, metrics) if config.tracking.enabled and parent else None
 
     def trial_ended(self, study: Any, number: int, state: str, run_id: str | None) -> None:
         self._updates.submit(self._record, study, number, state, run_id)
@@ -51,8 +55,9 @@ class SearchRun:
             print(f"hydraddp search: MLflow was not updated after trial {number}: {exc!r}", flush=True)
 
     def _log_best(self, study: Any) -> None:
-        from hydraddp.tracking import ui
-
+        if len(study.directions) > 1:
+            self._log_front(study)
+            return
         try:
             best = study.best_trial
         except ValueError:
@@ -61,13 +66,35 @@ class SearchRun:
         self.client.set_tag(self.parent, "hydraddp.best_trial", str(best.number))
         for key, value in best.params.items():
             self.client.set_tag(self.parent, f"hydraddp.best.{key}", str(value))
-        run_id = _trial_run(self.client, self.parent, best.number)
+        run_id, url = self._trial_link(best.number)
         if run_id:
-            base = ui.ui_base(self.uri)
-            experiment = self.client.get_run(self.parent).info.experiment_id
             self.client.set_tag(self.parent, "hydraddp.best_trial_run", run_id)
-            if base:
-                self.client.set_tag(self.parent, "hydraddp.best_trial_url", ui.run_url(base, experiment, run_id))
+        if url:
+            self.client.set_tag(self.parent, "hydraddp.best_trial_url", url)
+
+    def _log_front(self, study: Any) -> None:
+        """A multi-objective search's Pareto front: ``hydraddp.pareto_front`` (its trials' numbers) and
+        ``hydraddp.pareto_front_runs`` (each trial's values, params, run and link, as JSON)."""
+        front = sorted(study.best_trials, key=lambda t: t.number)
+        if not front:
+            return
+        described = []
+        for trial in front:
+            run_id, url = self._trial_link(trial.number)
+            described.append({"trial": trial.number, "values": trial.values, "params": trial.params, "run_id": run_id,
+                              "url": url})
+        self.client.set_tag(self.parent, "hydraddp.pareto_front", ",".join(str(t.number) for t in front))
+        self.client.set_tag(self.parent, "hydraddp.pareto_front_runs", json.dumps(described)[:MAX_TAG])
+
+    def _trial_link(self, number: int) -> tuple[str | None, str | None]:
+        """The trial's child run, and its link in MLflow's UI (None where the server has no UI)."""
+        from hydraddp.tracking import ui
+
+        run_id = _trial_run(self.client, self.parent, number)
+        base = ui.ui_base(self.uri)
+        if not run_id or not base:
+            return run_id, None
+        return run_id, ui.run_url(base, self.client.get_run(self.parent).info.experiment_id, run_id)
 
     def _log_plots(self, study: Any) -> None:
         import tempfile
@@ -78,9 +105,13 @@ class SearchRun:
         import matplotlib.pyplot as plt
         from optuna.visualization import matplotlib as plots
 
+        names = [str(m) for m in self.metrics]
+        drawn = ((("pareto_front.png", lambda s: plots.plot_pareto_front(s, target_names=names)),)
+                 if len(study.directions) > 1 else
+                 (("optimization_history.png", plots.plot_optimization_history),
+                  ("param_importances.png", plots.plot_param_importances)))
         with tempfile.TemporaryDirectory() as tmp:
-            for name, draw in (("optimization_history.png", plots.plot_optimization_history),
-                               ("param_importances.png", plots.plot_param_importances)):
+            for name, draw in drawn:
                 try:
                     with warnings.catch_warnings():  # importances of trials that all tie: equal, and it warns so
                         warnings.simplefilter("ignore", UserWarning)
@@ -95,13 +126,15 @@ class SearchRun:
     def finish(self, study: Any) -> None:
         self._updates.shutdown(wait=True)
         try:
-            best = study.best_trial
-        except ValueError:
-            return
-        try:
             self._log_plots(study)
         except Exception as exc:
             print(f"hydraddp search: optuna's plots were not logged: {exc!r}", flush=True)
+        if len(study.directions) > 1:
+            return  # the front's tags say it all
+        try:
+            best = study.best_trial
+        except ValueError:
+            return
         from mlflow.entities import Param
 
         params = [Param(f"search/best/{k}", str(v)) for k, v in best.params.items()]

@@ -90,3 +90,17 @@ def representative(space: Space) -> list[str]:
         value = dist.choices[0] if hasattr(dist, "choices") else dist.low
         picked.append(as_override(key, value))
     return picked
+
+
+def grid(space: Space) -> dict[str, list[Any]]:
+    """The space as ``GridSampler`` takes it, every value of each key: a choice's, a range's."""
+    found = {}
+    for key, dist in space.distributions.items():
+        if hasattr(dist, "choices"):
+            found[key] = list(dist.choices)
+        elif getattr(dist, "step", None) is not None and isinstance(dist.low, int):
+            found[key] = list(range(dist.low, dist.high + 1, dist.step))
+        else:
+            raise SpaceError(f"hydra/sweeper/sampler=grid searches choices and ranges; {key} is an interval: give it "
+                             "as choice(...) or range(...), or set hydra.sweeper.sampler.search_space.")
+    return found

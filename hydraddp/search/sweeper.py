@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import socket
@@ -23,17 +25,20 @@ from pathlib import Path
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from hydraddp.search import space as search_space
 from hydraddp.search import storage as studies
-from hydraddp.search.launch import gpu_slots, launch_arguments, run_trial
+from hydraddp.search.launch import Budget, gpu_slots, known_metric, launch_arguments, run_trial
 from hydraddp.search.parent_run import SearchRun
 from hydraddp.search.storage import ERROR, OWNER
-from hydraddp.search.trial import PRUNERS, metric_value, pruner
+from hydraddp.search.trial import PRUNERS, pruner
 
 DIRECTIONS = ("minimize", "maximize")
-METRICS = ("eval/<name>", "train/loss", "perf/samples_per_s", "perf/mfu")
+SAMPLER_PACKAGES = {"CmaEsSampler": ("cmaes",), "GPSampler": ("scipy",)}  # what optuna imports when it first samples
+METRICS = ("eval/<name>", "train/loss", "perf/samples_per_s", "perf/mfu", "memory/peak_gib",
+           "memory/peak_tensor_gib")
+PLAN = "hydraddp_plan"  # a trial's user attribute: why its plan kept it from launching (over the memory budget)
 GPUS = "hydraddp_gpus"  # a local trial's user attribute: the CUDA_VISIBLE_DEVICES it ran with (gpu_slots)
 
 
@@ -41,16 +46,20 @@ class OptunaSearch(Sweeper):
     """The sweeper's work; Hydra instantiates it as ``hydra_plugins.hydraddp_optuna_sweeper.sweeper.HydraddpOptunaSweeper``
     (Hydra takes sweepers from its plugin package only)."""
 
-    def __init__(self, n_trials: int, n_jobs: int, direction: str, storage: str | None, study_name: str | None,
-                 sampler: Any, params: dict[str, str] | None, metric: str, pruner: str, heartbeat_interval: int = 30,
-                 grace_period: int = 120) -> None:
-        self.n_trials, self.n_jobs, self.direction = n_trials, n_jobs, direction
+    def __init__(self, n_trials: int, n_jobs: int, direction: Any, storage: str | None, study_name: str | None,
+                 sampler: Any, params: dict[str, str] | None, metric: Any, pruner: str, heartbeat_interval: int = 30,
+                 grace_period: int = 120, memory_budget_gb: float | None = None) -> None:
+        self.n_trials, self.n_jobs = n_trials, n_jobs
+        # One metric and direction, or as many of each (multi-objective: optuna's Pareto front).
+        self.metrics = [str(m) for m in (metric if isinstance(metric, (list, ListConfig)) else [metric])]
+        self.directions = [str(d) for d in (direction if isinstance(direction, (list, ListConfig)) else [direction])]
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
         self.storage, self.study_name, self.sampler = storage, study_name, sampler
-        self.params, self.metric, self.pruner = dict(params or {}), metric, pruner
+        self.params, self.pruner, self.memory_budget_gb = dict(params or {}), pruner, memory_budget_gb
         self.config: DictConfig | None = None
         self.hydra_context: Any = None
         self.gpu_slots: list[str] = []  # the CUDA_VISIBLE_DEVICES of each trial slot (gpu_slots); none: no split
+        self.made_sampler: Any = None  # optuna's sampler, made from ``sampler`` before the first trial
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -69,16 +78,16 @@ class OptunaSearch(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage = self._storage()
         with studies.creating(storage):
-            study = optuna.create_study(study_name=self.study_name or default_study_name(space, self.metric),
+            study = optuna.create_study(study_name=self.study_name or default_study_name(space, self.metric_key),
                                         storage=studies.open_storage(storage, self.heartbeat_interval,
                                                                      self.grace_period, _stale),
-                                        sampler=self._sampler(), pruner=pruner(self.pruner),
-                                        direction=self.direction, load_if_exists=True)
+                                        sampler=self.made_sampler, pruner=pruner(self.pruner),
+                                        directions=self.directions, load_if_exists=True)
         for failed in studies.fail_orphans(study):
             print(f"hydraddp search: trial {failed} was running when its sweeper died: marked FAIL", flush=True)
         print(f"hydraddp search: study {study.study_name!r} in {storage}: {self.n_trials} trials, {self.n_jobs} at "
-              f"a time, {self.direction} {self.metric}", flush=True)
-        tracker = SearchRun.of(self.config)
+              f"a time, {self.objective}", flush=True)
+        tracker = SearchRun.of(self.config, self.metrics)
         with studies.Heartbeat(study, self.heartbeat_interval, self.grace_period, _stale) as heartbeat:
             ended = self._run_trials(study, space, sweep_dir, tracker, heartbeat)
         print(results_table(study), flush=True)
@@ -97,7 +106,7 @@ class OptunaSearch(Sweeper):
         with concurrent.futures.ThreadPoolExecutor(self.n_jobs) as pool:
             while True:
                 while len(running) < self.n_jobs and counted(study) < self.n_trials \
-                        and ended.get("FAIL", 0) < self.n_trials:
+                        and ended.get("FAIL", 0) < self.n_trials and not self._grid_done(study):
                     gpus = free_gpus.pop(0) if free_gpus else None
                     trial, future = self._start_trial(pool, study, space, sweep_dir, gpus, heartbeat)
                     running[future] = (trial, gpus)
@@ -129,10 +138,28 @@ class OptunaSearch(Sweeper):
         print(f"hydraddp search: trial {trial.number}{f' on GPUs {gpus}' if gpus else ''}: {' '.join(values)}",
               flush=True)
         spec = {"storage": self._storage(), "study": study.study_name, "trial_id": trial._trial_id,
-                "number": trial.number, "metric": self.metric, "pruner": self.pruner, "keys": list(trial.params)}
+                "number": trial.number, "metric": self.metrics[0] if len(self.metrics) == 1 else None,
+                "pruner": self.pruner, "keys": list(trial.params)}
         command = [sys.executable, "-m", "hydraddp", *launch_arguments(self.config), *space.fixed, *values]
         env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus}
-        return trial, pool.submit(run_trial, command, sweep_dir / f"trial-{trial.number}", spec, env)
+        return trial, pool.submit(run_trial, command, sweep_dir / f"trial-{trial.number}", spec, self.metrics, env,
+                                  self._budget([*space.fixed, *values]))
+
+    def _budget(self, overrides: list[str]) -> Budget | None:
+        """The memory budget the trial's plan must fit (its ``plan.budget_gb``, else
+        ``hydra.sweeper.memory_budget_gb``), with its config as a launch decides it; None without a budget."""
+        from hydraddp.config.compose import normalize_overrides
+        from hydraddp.preflight.config import complete, world_size
+
+        assert self.config is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, normalize_overrides(overrides))
+        budget_gb = cfg.plan.get("budget_gb") or self.memory_budget_gb
+        if budget_gb is None:
+            return None
+        with open_dict(cfg):
+            del cfg["hydra"]
+        complete(cfg)
+        return Budget(OmegaConf.to_container(cfg, resolve=True), world_size(cfg), float(budget_gb))
 
     def _tell(self, study: Any, trial: Any, outcome: dict[str, Any]) -> str:
         from optuna.trial import TrialState
@@ -141,14 +168,18 @@ class OptunaSearch(Sweeper):
         if stored.is_finished():  # another sweeper failed it as stale (this one was cut off for the grace period)
             print(f"hydraddp search: trial {trial.number} ended, but the study had marked it {stored.name}", flush=True)
             return stored.name
-        if outcome["status"] == "ok" and outcome.get("pruned_step") is not None:
+        if outcome["status"] == "over_budget":  # never launched: the plan said it would not fit
+            study._storage.set_trial_user_attr(trial._trial_id, PLAN, outcome["error"])
+            study.tell(trial, state=TrialState.PRUNED)
+            said = f"PRUNED: {outcome['error']}"
+        elif outcome["status"] == "ok" and outcome.get("pruned_step") is not None:
             study.tell(trial, state=TrialState.PRUNED)
             said = f"PRUNED after step {outcome['pruned_step']}"
-        elif outcome["status"] == "ok" and outcome.get("value") is not None:
-            study.tell(trial, outcome["value"])
-            said = f"COMPLETE, {self.metric} {outcome['value']:.6g}"
+        elif outcome["status"] == "ok" and None not in outcome.get("values", [None]):
+            study.tell(trial, outcome["values"])
+            said = "COMPLETE, " + ", ".join(f"{m} {v:.6g}" for m, v in zip(self.metrics, outcome["values"]))
         else:
-            error = outcome.get("error") or f"{self.metric} was not reported"
+            error = outcome.get("error") or f"{', '.join(self.metrics)} not reported"
             study._storage.set_trial_user_attr(trial._trial_id, ERROR, error[-2000:])
             study.tell(trial, state=TrialState.FAIL)
             said = f"FAIL: {failure_line(error)}"
@@ -161,14 +192,19 @@ class OptunaSearch(Sweeper):
         from hydraddp.exit_codes import EXIT_INVALID
 
         found = []
-        if self.direction not in DIRECTIONS:
-            found.append(f"hydra.sweeper.direction={self.direction} is not one of {', '.join(DIRECTIONS)}.")
+        found += [f"hydra.sweeper.direction={d} is not one of {', '.join(DIRECTIONS)}." for d in self.directions
+                  if d not in DIRECTIONS]
+        if len(self.directions) != len(self.metrics):
+            found.append(f"hydra.sweeper.metric has {len(self.metrics)} metrics and hydra.sweeper.direction "
+                         f"{len(self.directions)} directions: give one direction per metric, e.g. hydra.sweeper."
+                         "metric=[eval/loss,perf/samples_per_s] hydra.sweeper.direction=[minimize,maximize].")
         if self.pruner not in PRUNERS:
             found.append(f"hydra.sweeper.pruner={self.pruner} is not one of {', '.join(PRUNERS)}.")
-        if metric_value(self.metric, {"x": 0.0}, 0.0) is None and not self.metric.startswith("eval/") \
-                and self.metric not in ("perf/samples_per_s", "perf/mfu"):
-            found.append(f"hydra.sweeper.metric={self.metric} is not a metric a launch ends with: use one of "
-                         f"{', '.join(METRICS)}.")
+        elif self.pruner != "none" and len(self.metrics) > 1:
+            found.append(f"hydra.sweeper.pruner={self.pruner} with {len(self.metrics)} metrics: optuna prunes "
+                         "single-objective studies only; set hydra.sweeper.pruner=none.")
+        found += [f"hydra.sweeper.metric={m} is not a metric a launch ends with: use one of {', '.join(METRICS)}."
+                  for m in self.metrics if not known_metric(m)]
         if self.n_trials < 1 or self.n_jobs < 1:
             found.append(f"hydra.sweeper.n_trials={self.n_trials} and n_jobs={self.n_jobs} must be at least 1.")
         space = None
@@ -182,6 +218,13 @@ class OptunaSearch(Sweeper):
         except ImportError as exc:
             found.append(f"hydra/sweeper=hydraddp_optuna needs optuna ({exc}): pip install 'hydraddp[search]'.")
         if space is not None and not found:
+            try:
+                self.made_sampler = self._made_sampler(space)
+            except search_space.SpaceError as exc:
+                found.append(str(exc))
+            except ImportError as exc:
+                found.append(f"hydra.sweeper.sampler={self.sampler.get('_target_')} needs a package that is not "
+                             f"installed ({exc}): pip install 'hydraddp[search]'.")
             found += storage_problems(self._storage(), self.config)
             cfg, composed = trial_config(space, self.hydra_context.config_loader, self.config)
             found += composed
@@ -199,13 +242,54 @@ class OptunaSearch(Sweeper):
     def _storage(self) -> str:
         return self.storage or f"sqlite:///{Path.cwd().resolve() / 'optuna.db'}"
 
-    def _sampler(self) -> Any:
-        """Hydra instantiated ``sampler`` with the sweeper (its ``_target_``); None is optuna's default."""
+    @property
+    def metric_key(self) -> Any:
+        """The metric, or the metrics of a multi-objective search (what names the default study)."""
+        return self.metrics[0] if len(self.metrics) == 1 else self.metrics
+
+    @property
+    def objective(self) -> str:
+        return ", ".join(f"{d} {m}" for d, m in zip(self.directions, self.metrics))
+
+    def _grid_done(self, study: Any) -> bool:
+        """A grid sampler has asked every combination (ask would start over)."""
+        return hasattr(self.made_sampler, "is_exhausted") and self.made_sampler.is_exhausted(study)
+
+    def _made_sampler(self, space: search_space.Space) -> Any:
+        """optuna's sampler of ``hydra/sweeper/sampler`` with its settings; a grid without a ``search_space`` is
+        every choice of the search space (SpaceError when one is not a choice)."""
         from hydra.utils import instantiate
 
-        if isinstance(self.sampler, (dict, DictConfig)):
-            return instantiate(self.sampler)
-        return self.sampler
+        if not isinstance(self.sampler, (dict, DictConfig)):
+            return self.sampler  # made already (a sweeper built in Python)
+        settings = dict(self.sampler)
+        for needed in SAMPLER_PACKAGES.get(str(settings.get("_target_")).rsplit(".", 1)[-1], ()):
+            if importlib.util.find_spec(needed) is None:  # optuna would fail only at the first trial's sampling
+                raise ImportError(f"{settings['_target_']} needs the {needed} package")
+        if settings.get("_target_") == "optuna.samplers.GridSampler":
+            settings["_target_"] = f"{__name__}.AskedGrid"
+            settings["search_space"] = settings.get("search_space") or search_space.grid(space)
+        return instantiate(settings)
+
+
+@functools.cache
+def _asked_grid() -> type:
+    import optuna
+
+    class AskedGrid(optuna.samplers.GridSampler):
+        """optuna's grid, asked and told by hand: its ``after_trial`` stops ``study.optimize`` when the grid is
+        done, which outside ``optimize`` raises; the sweeper stops asking instead (``is_exhausted``)."""
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            pass
+
+    return AskedGrid
+
+
+def __getattr__(name: str) -> Any:  # AskedGrid, made when first named: optuna is imported only by a search
+    if name == "AskedGrid":
+        return _asked_grid()
+    raise AttributeError(name)
 
 
 def trial_config(space: search_space.Space, loader: Any, config: DictConfig) -> tuple[DictConfig | None, list[str]]:
@@ -290,17 +374,27 @@ def failure_line(error: str) -> str:
 
 
 def results_table(study: Any) -> str:
-    rows = [f"{'trial':>5}  {'state':8} {'value':>12}  params"]
+    """Every trial of the study with its value(s) and params, why a failed or unlaunched one ended, and the best
+    trial, or a multi-objective study's Pareto front (its trials marked ``*``)."""
+    multi = len(study.directions) > 1
+    front = {t.number for t in study.best_trials} if multi else set()
+    width = 12 * len(study.directions)
+    rows = [f"{'trial':>6}  {'state':8} {'values' if multi else 'value':>{width}}  params"]
     for trial in study.get_trials(deepcopy=False):
-        value = f"{trial.value:12.6g}" if trial.value is not None else "-".rjust(12)
-        rows.append(f"{trial.number:>5}  {trial.state.name:8} {value}  "
+        values = "".join(f"{v:12.6g}" for v in trial.values) if trial.values else "-".rjust(width)
+        rows.append(f"{trial.number:>5}{'*' if trial.number in front else ' '}  {trial.state.name:8} {values}  "
                     + " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items()))
-        if trial.state.name == "FAIL" and trial.user_attrs.get(ERROR):
-            rows.append(f"{'':>5}  {failure_line(trial.user_attrs[ERROR])}")
-    try:
-        best = f"best: trial {study.best_trial.number}, value {study.best_value:.6g}, {study.best_params}"
-    except ValueError:
-        best = "no trial completed"
+        why = trial.user_attrs.get(PLAN) or (trial.user_attrs.get(ERROR) if trial.state.name == "FAIL" else None)
+        if why:
+            rows.append(f"{'':>6}  {failure_line(why)}")
+    if multi:
+        best = (f"Pareto front (*): trials {', '.join(str(n) for n in sorted(front))}" if front
+                else "no trial completed")
+    else:
+        try:
+            best = f"best: trial {study.best_trial.number}, value {study.best_value:.6g}, {study.best_params}"
+        except ValueError:
+            best = "no trial completed"
     return "\nhydraddp search: study " + study.study_name + "\n" + "\n".join(rows) + "\n" + best
 
 

@@ -64,8 +64,10 @@ class TrialReporter:
 
     @classmethod
     def from_env(cls) -> TrialReporter | None:
-        spec = os.environ.get(TRIAL_ENV)
-        return cls(json.loads(spec)) if spec else None
+        """The trial to report to; None outside a search, or in a multi-objective one (optuna prunes only
+        single-objective studies: there is nothing to report)."""
+        spec = json.loads(os.environ.get(TRIAL_ENV) or "null")
+        return cls(spec) if spec and spec.get("metric") else None
 
     def should_prune(self, step: int, eval_metrics: dict[str, float], loss: float | None = None) -> bool:
         import optuna

@@ -2,6 +2,8 @@
 
 Each trial is a launch; the study lives in a SQLite file the tests read back with optuna itself."""
 
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -47,7 +49,7 @@ def test_the_issues_search_ends_with_8_trials_each_a_child_run_with_its_trials_l
     experiment = f"search-{uuid.uuid4().hex[:6]}"
     done = run_cli(*SEARCH, "hydra.sweeper.n_trials=8", "hydra.sweeper.n_jobs=2", "hydra.sweeper.storage=sqlite:///study.db",
                    "hydra.sweeper.study_name=lr", "hydra.sweeper.pruner=median", f"{LR}=tag(log, interval(1e-5, 1e-1))",
-                   "trainer.max_steps=40", "trainer.eval_every=10", "tracking.model.enabled=false",
+                   "trainer.max_steps=20", "trainer.eval_every=5", "tracking.model.enabled=false",
                    *tracked(mlflow_server, experiment), cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     trials = study(tmp_path / "study.db", "lr").get_trials()
@@ -289,3 +291,80 @@ def test_gpu_slots_split_the_visible_gpus_between_the_trials_running_at_once(tmp
     [problem] = slots(3, "launcher.nproc_per_node=2", visible="0,1,2,3")[1]
     assert "hydra.sweeper.n_jobs=3 trials at a time of launcher.nproc_per_node=2 need 6 GPUs, and 4 are" in problem
     assert slots(9, "launcher.nproc_per_node=auto")[1]  # fewer GPUs than trials: not even one each
+
+
+SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "cmaes": "CmaEsSampler", "nsgaii": "NSGAIISampler",
+            "grid": "GridSampler", "qmc": "QMCSampler", "gp": "GPSampler"}
+
+
+def _search_of(*overrides: str):
+    from hydra_plugins.hydraddp_optuna_sweeper.sweeper import HydraddpOptunaSweeper
+
+    from hydraddp.config.compose import compose
+
+    settings = compose(["hydra/sweeper=hydraddp_optuna", *overrides], return_hydra_config=True).hydra.sweeper
+    return HydraddpOptunaSweeper(**{k: v for k, v in settings.items() if not k.startswith("_")})
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_each_sampler_group_is_optunas_sampler_with_its_settings(name):
+    """``hydra/sweeper/sampler=NAME`` (hydra-optuna-sweeper's groups) makes optuna's sampler with the settings given;
+    cmaes needs its package, and without it is an error naming the install."""
+    from hydraddp.search.space import parse
+
+    search = _search_of(f"hydra/sweeper/sampler={name}", "hydra.sweeper.sampler.seed=7")
+    space = parse([f"{LR}=choice(0.01, 0.1)", "trainer.max_steps=range(10, 40, 10)"])
+    if name == "cmaes" and importlib.util.find_spec("cmaes") is None:
+        with pytest.raises(ImportError, match="cmaes"):
+            search._made_sampler(space)
+        return
+    sampler = search._made_sampler(space)
+    assert isinstance(sampler, getattr(optuna.samplers, SAMPLERS[name]))
+    if name == "grid":  # every choice and range value of the space, each combination once
+        assert sampler._search_space == {LR: [0.01, 0.1], "trainer.max_steps": [10, 20, 30]}
+
+
+def test_a_grid_over_an_interval_is_exit_2_naming_it(tmp_path):
+    done = run_cli(*SEARCH[:2], "hydra/sweeper/sampler=grid", f"{LR}=interval(0.01, 0.1)", "tracking.enabled=false",
+                   cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"hydra/sweeper/sampler=grid searches choices and ranges; {LR} is an interval" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_fastest_fit_search_prunes_what_its_plan_says_will_not_fit_and_finds_a_pareto_front(mlflow_server,
+                                                                                              tmp_path):
+    """``experiment=fastest_fit`` on one slice of its grid: fp32 DDP without activation checkpointing, accumulation
+    1 (planned 48 MiB per rank, over the 30 MiB budget) or 4 (25 MiB). The first is PRUNED by its plan and never
+    launched; the second trains, and is the Pareto front of samples/s and tensor memory."""
+    experiment = f"fit-{uuid.uuid4().hex[:6]}"
+    done = run_cli("-m", "experiment=fastest_fit", "hydra.sweeper.params=null", "wrap=ddp", "precision=fp32",
+                   "trainer.activation_checkpointing=false", "trainer.accumulate_grad_batches=choice(1,4)",
+                   "hydra.sweeper.n_trials=2", "hydra.sweep.dir=sweep",
+                   *tracked(mlflow_server, experiment), cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trials = {t.params["trainer.accumulate_grad_batches"]: t
+              for t in study(tmp_path / "optuna.db", re.search(r"study '(\S+)'", done.stdout)[1]).get_trials()}
+    over, fits = trials[1], trials[4]
+    assert over.state.name == "PRUNED" and "over the memory budget of 0.03 GiB: not launched" in \
+        over.user_attrs["hydraddp_plan"]
+    assert not (tmp_path / "sweep" / f"trial-{over.number}").exists()  # never launched
+    assert fits.state.name == "COMPLETE" and len(fits.values) == 2 and fits.values[0] > 0
+    assert f"{fits.number}*" in done.stdout and f"Pareto front (*): trials {fits.number}" in done.stdout
+    [parent] = [r for r in runs_of(mlflow_server, experiment) if names.TAG_SWEEP in r.data.tags]
+    assert parent.data.tags["hydraddp.pareto_front"] == str(fits.number)
+    [front] = json.loads(parent.data.tags["hydraddp.pareto_front_runs"])
+    assert front["trial"] == fits.number and front["values"] == fits.values and front["run_id"]
+    artifacts = {a.path for a in mlflow_server.client().list_artifacts(parent.info.run_id, "search")}
+    assert "search/pareto_front.png" in artifacts
+
+
+def test_several_metrics_need_as_many_directions_and_no_pruner(tmp_path):
+    for bad, said in ((["hydra.sweeper.metric=[eval/loss,perf/samples_per_s]"],
+                       "hydra.sweeper.metric has 2 metrics and hydra.sweeper.direction 1 directions"),
+                      (["hydra.sweeper.metric=[eval/loss,memory/peak_gib]",
+                        "hydra.sweeper.direction=[minimize,minimize]", "hydra.sweeper.pruner=median"],
+                       "optuna prunes single-objective studies only")):
+        done = run_cli(*SEARCH[:2], *bad, f"{LR}=choice(0.01, 0.1)", "tracking.enabled=false", cwd=tmp_path,
+                       timeout=120)
+        assert done.returncode == 2 and said in done.stderr, (bad, done.stderr[-2000:])
