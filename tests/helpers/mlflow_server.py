@@ -45,9 +45,11 @@ class MlflowServer:
                 raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-3000:]}")
             time.sleep(0.2)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
+        """SIGTERM, or (``graceful=False``) SIGKILL: a crash. Stopping gracefully, uvicorn goes on serving the
+        requests of a keep-alive connection already open, so a client that keeps sending may finish before it stops."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

@@ -239,15 +239,16 @@ def test_a_search_whose_every_trial_failed_exits_1_with_its_parent_failed(mlflow
     assert parent.info.status == "FAILED"
 
 
-# Four GPUs, as the NVIDIA driver lists them in /proc, in a mount namespace of the sweeper's own (root only).
-FAKE_GPUS = ("mount -t tmpfs none /proc/driver && for bus in 01 02 03 04; do mkdir -p "
-             "/proc/driver/nvidia/gpus/0000:$bus:00.0; done && exec \"$@\"")
+# Four GPUs, as the NVIDIA driver lists them in /proc, in a mount namespace of the sweeper's own (root only). /proc
+# is made private there first (unshare cannot change the propagation of / in a chroot, where / is no mount point).
+FAKE_GPUS = ("mount --make-rprivate /proc && mount -t tmpfs none /proc/driver && for bus in 01 02 03 04; do "
+             "mkdir -p /proc/driver/nvidia/gpus/0000:$bus:00.0; done && exec \"$@\"")
 
 
 def _with_fake_gpus(*command: str) -> list[str]:
     if os.geteuid() != 0:
         pytest.skip("faking the GPU listing needs root (a mount namespace)")
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", FAKE_GPUS, "sh", *command]
+    return ["unshare", "--mount", "--propagation", "unchanged", "sh", "-c", FAKE_GPUS, "sh", *command]
 
 
 def test_more_trials_at_once_than_gpus_is_exit_2_before_any_trial(tmp_path):
