@@ -267,7 +267,7 @@ def test_a_server_that_never_comes_back_keeps_the_points_and_says_how_to_send_th
         assert sent.returncode == 0, sent.stderr[-3000:]
         [run] = runs_of(server, experiment)
         assert run.info.status == "FINISHED"
-        assert loss_steps(server.client(), run.info.run_id) == list(range(2, 201, 2))
+        assert loss_steps(server.client(), run.info.run_id) == list(range(2, 401, 2))
     finally:
         server.stop()
 
