@@ -12,7 +12,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-# In an optuna search's sweep directory: how the sweeper's trials ended (``hydraddp.search.sweeper.write_verdict``).
+# In an optuna search's sweep directory: how the sweeper's trials ended (``hydraddp.search.report.write_verdict``).
 SEARCH_VERDICT_FILE = "search.json"
 
 
@@ -89,7 +89,7 @@ def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def _search_verdict(sweep_dir: Path) -> dict[str, Any] | None:
-    """How an optuna search's trials ended (``hydraddp.search.sweeper.write_verdict``); None for a ``-m`` sweep."""
+    """How an optuna search's trials ended (``hydraddp.search.report.write_verdict``); None for a ``-m`` sweep."""
     import json
 
     path = sweep_dir / SEARCH_VERDICT_FILE

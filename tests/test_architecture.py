@@ -201,7 +201,8 @@ def test_the_core_imports_nothing_of_hydra_omegaconf_or_mlflow():
 # The layers, top to bottom (DESIGN.md): a module may import its own layer and those below it, never one above.
 LAYERS = [("hydraddp.__main__", "hydraddp.cli", "hydraddp.sweep", "hydraddp.launch", "hydraddp.export",
            "hydraddp.plan", "hydraddp.kube", "hydraddp.clusters", "hydraddp.demo", "hydraddp.compare",
-           "hydraddp.search.sweeper", "hydraddp.search.launch", "hydraddp.search.parent_run"),
+           "hydraddp.search.sweeper", "hydraddp.search.launch", "hydraddp.search.parent_run",
+           "hydraddp.search.report"),
           ("hydraddp.launch_plan", "hydraddp.preflight"),
           ("hydraddp.build", "hydraddp.train", "hydraddp.search.trial", "hydraddp.search.space",
            "hydraddp.search.storage"),
