@@ -34,14 +34,9 @@ def creating(storage: str) -> Iterator[None]:
     studies already exists"): they take turns under a lease beside the file (``hydraddp.lease``: not ``flock``, which
     on cluster mounts locks on each node alone; a holder that dies frees it). A database server creates its tables in
     transactions of its own."""
-    from hydraddp.tracking.client import sqlite_path
+    from hydraddp.tracking.client import creating_sqlite
 
-    database = sqlite_path(storage)
-    if database is None:
-        yield
-        return
-    database.parent.mkdir(parents=True, exist_ok=True)
-    with lease.held(database.with_name(database.name + ".lease")):
+    with creating_sqlite(storage):
         yield
 
 

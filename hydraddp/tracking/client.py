@@ -24,14 +24,14 @@ def mlflow_client(uri: str):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
 
-    with _creating_store(uri):
+    with creating_sqlite(uri):
         return MlflowClient(tracking_uri=uri)
 
 
 @contextlib.contextmanager
-def _creating_store(uri: str) -> Iterator[None]:
-    """MLflow creates and migrates a fresh SQLite store in the client's constructor; two processes doing it at the
-    same moment (node 0's tracker and another node's, at a launch's start) collide ("table _alembic_tmp_experiments
+def creating_sqlite(uri: str) -> Iterator[None]:
+    """A SQLite file that processes may create at once (MLflow's store, an optuna study), taken in turns. MLflow
+    creates and migrates a fresh SQLite store in the client's constructor; two processes doing it at the same moment (node 0's tracker and another node's, at a launch's start) collide ("table _alembic_tmp_experiments
     already exists") and leave it half-migrated. Every process that opens the file takes turns under a lease beside
     it (``hydraddp.lease``: not ``flock``, which on cluster mounts locks on each node alone): the first creates the
     store, the others find it made. A holder that dies frees it (on another node, once it expires)."""
