@@ -169,6 +169,10 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     from hydraddp.launch import launch
     from hydraddp.tracking.run import FAILED, FINISHED, KILLED
 
+    if tracker and plan.config["plan"]["record"]:
+        from hydraddp.launch import plan_recording
+
+        tracker.plan_with(plan_recording(plan))
     flush_s = plan.config["tracking"]["flush_timeout_s"]
     try:
         rank, result = launch(plan, tracker.events_path if tracker else None)

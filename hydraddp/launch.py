@@ -113,3 +113,17 @@ def launch(plan: LaunchPlan, events_path: Path | None = None) -> tuple[int, dict
                            not parallel.spawns, plan.saved_config)
     rank = min(results)
     return rank, results[rank]
+
+
+def plan_recording(plan: LaunchPlan) -> Any:
+    """The launch's plan for its MLflow run (``plan.record``; ``hydraddp.plan.record.Recording``), made beside the
+    workers: forked where they are forked, so that it starts with torch imported; None for a wrap the simulated world
+    does not run (DataParallel's replicas, Horovod's ranks)."""
+    from hydraddp.plan.record import PLANNED_WRAPS, Recording
+    from hydraddp.tracking.names import PLAN_FILE
+
+    if plan.wrap not in PLANNED_WRAPS:
+        return None
+    forked = idist.detect_launch_env() is None and idist.worker_start_method(plan.config["backend"]["name"]) == "fork"
+    return Recording(plan.saved_config, plan.world_size, plan.job_dir / PLAN_FILE, fork=forked)
+

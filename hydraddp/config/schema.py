@@ -143,7 +143,7 @@ class MeshConfig:
 class PlanConfig:
     """``python -m hydraddp.plan`` and the plan every launch records (hydraddp/plan/)."""
 
-    record: bool = True  # the tracker plans the launch beside the workers: plan/* params, plan.json, plan/error
+    record: bool = True  # the launch is planned beside the workers: plan/* params, plan.json, plan/error
     measure: bool = True  # torch's MemTracker over the second step: the measured peak the plan is checked against
     budget_gb: Optional[float] = None  # per-rank memory: which wraps and settings fit, and the one to use
 

@@ -87,15 +87,11 @@ def _estimate(cfg, world: int) -> Estimate:
 
 def _estimate_elsewhere(cfg, world: int) -> Estimate:
     """``estimate`` in a process of its own (``hydraddp.plan.record``); NotPlanned when it cannot run there."""
-    import subprocess
-
     from omegaconf import OmegaConf
 
-    request = json.dumps({"config": OmegaConf.to_container(cfg, resolve=True), "world_size": world})
-    done = subprocess.run([sys.executable, "-m", "hydraddp.plan.record"], input=request, capture_output=True,
-                          text=True, check=False)
-    plan = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else \
-        {"error": f"not planned: the planning process ended with {done.returncode}: {done.stderr[-300:]}"}
+    from hydraddp.plan.record import plan_elsewhere
+
+    plan = plan_elsewhere(OmegaConf.to_container(cfg, resolve=True), world)
     if "error" in plan:
         raise NotPlanned(plan["error"])
     return Estimate.from_dict(plan)

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,12 +83,9 @@ class Budget:
     def exceeded(self) -> str | None:
         """Why the trial's plan does not fit (its planned peak per rank), or None when it fits. A config the plan
         cannot simulate is launched: the launch is the judge then."""
-        request = json.dumps({"config": self.config, "world_size": self.world_size})
-        done = subprocess.run([sys.executable, "-m", "hydraddp.plan.record"], input=request, capture_output=True,
-                              text=True, check=False)
-        lines = done.stdout.strip().splitlines()
-        plan = json.loads(lines[-1]) if done.returncode == 0 and lines else {}
-        peak = plan.get("peak_bytes")
+        from hydraddp.plan.record import plan_elsewhere
+
+        peak = plan_elsewhere(self.config, self.world_size).get("peak_bytes")
         if peak is None or peak <= self.budget_gb * 2**30:
             return None
         return (f"its plan's peak is {peak / 2**30:.3g} GiB per rank, over the memory budget of {self.budget_gb:g} "

@@ -3,8 +3,8 @@
 Importing mlflow and creating a run costs about 1.5 CPU-seconds. In a thread of the launcher that work
 competed for the GIL with the launcher's own ``import torch``. As its own process it runs at nice 19 in the
 launcher's session, so the ranks come first (a process in a session of its own would be weighed against
-all the ranks together, by Linux's autogroup) but it is never starved. The launch's plan is made beside it,
-in a process at idle priority (``Planner``).
+all the ranks together, by Linux's autogroup) but it is never starved. The launch's plan is made by the launcher,
+at idle priority (``hydraddp.plan.record.Recording``); the run logs ``plan.json`` once it is written.
 
 The launcher sends two JSON lines on the tracker's stdin: the run's settings at start, the final status
 at the end. The tracker writes the run id to ``<job dir>/mlflow_run_id`` and prints, like the launcher
@@ -31,6 +31,9 @@ from hydraddp.tracking.source import source_tags
 from hydraddp.tracking.system_metrics import NodeSystemMetrics
 
 
+PLAN_WAIT_S = 120.0  # at the end of a launch, how long its plan may still take
+
+
 class TrackerProcess:
     """The launcher's handle on the tracker: ``start``, then ``finish`` with the status the launch ended with."""
 
@@ -40,6 +43,7 @@ class TrackerProcess:
         self.events_path = self.job_dir / EVENTS_FILE
         self._proc: subprocess.Popen | None = None
         self._started_at = 0.0
+        self._plan: Any = None  # the launch's plan in the making (plan_with)
 
     def start(self) -> None:
         self._started_at = time.time()
@@ -68,9 +72,19 @@ class TrackerProcess:
             return path.read_text().strip()
         return self.settings.get("run_id")
 
+    def plan_with(self, recording: Any) -> None:
+        """The launch's plan in the making (``hydraddp.plan.record.Recording``), which the run logs once it is
+        written: a launch that ends well waits for it (a launch shorter than its plan gets it too); any other end
+        stops it."""
+        self._plan = recording
+
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:
         """Tell the tracker how the launch ended and wait until it has sent everything (or given up)."""
         assert self._proc is not None and self._proc.stdin is not None
+        if self._plan is not None:
+            if status == FINISHED:
+                self._plan.wait(PLAN_WAIT_S)
+            self._plan.cancel()
         told = self._send({"status": status, "error": error, "timeout_s": timeout_s})
         try:
             self._proc.stdin.close()
@@ -92,51 +106,8 @@ class TrackerProcess:
         return False
 
 
-PLAN_WAIT_S = 120.0  # at the end of a launch, how long its plan may still take
-
-
-class Planner:
-    """The launch's plan, made in a process of its own (``hydraddp.plan.record``, at idle priority) once the run
-    exists: written to ``<job dir>/plan.json`` and handed to the run, which logs it and checks it against what the
-    ranks measure. A process, not a thread of the tracker: a starved thread holding the GIL would stall the sender."""
-
-    def __init__(self, run: LaunchRun, config: dict[str, Any], world_size: int):
-        self.run, self.request = run, json.dumps({"config": config, "world_size": world_size})
-        self._thread = threading.Thread(target=self._plan, name="hydraddp-plan", daemon=True)
-        self._lock, self._proc, self._cancelled = threading.Lock(), None, False
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _plan(self) -> None:
-        self.run.wait_created()
-        with self._lock:
-            if self._cancelled:
-                return
-            self._proc = subprocess.Popen([sys.executable, "-m", "hydraddp.plan.record"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = self._proc.communicate(self.request)
-        if self._cancelled:
-            return
-        try:
-            plan = json.loads(out)
-        except ValueError:
-            plan = {"error": f"not planned: the planning process exited {self._proc.returncode}: {err.strip()[-500:]}"}
-        (self.run.job_dir / names.PLAN_FILE).write_text(json.dumps(plan, indent=2))
-        self.run.plan = plan
-
-    def wait(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            if self._proc is not None and self._proc.poll() is None:
-                self._proc.kill()
-
-
 def launch_run_of(settings: dict[str, Any]) -> LaunchRun:
-    """The ``LaunchRun`` of the launcher's settings (``TrackerProcess.settings``, less ``plan_world_size``), completed
+    """The ``LaunchRun`` of the launcher's settings (``TrackerProcess.settings``), completed
     as only the tracker can: the run a restarted group adopts, and the source's tags."""
     settings = dict(settings)
     run_id_file = Path(settings["job_dir"], names.RUN_ID_FILE)
@@ -167,7 +138,6 @@ def main() -> int:
     # be flushing the same events file; this one waits for it (the kernel drops the lock when it exits).
     lock = open(Path(settings["job_dir"]) / "tracker.lock", "w")  # noqa: SIM115 - held until this process ends
     fcntl.flock(lock, fcntl.LOCK_EX)
-    plan_world = settings.pop("plan_world_size", None)
     run = launch_run_of(settings)
     continued = run.run_id is not None  # before start(), which creates the run when there is none
     run.start()
@@ -178,18 +148,9 @@ def main() -> int:
         threading.Thread(target=lambda: (run.wait_created(), node_metrics.start(run.run_id)),
                          name="hydraddp-system-metrics", daemon=True).start()
         run.before_close.append(node_metrics.finish)  # its last sample, while the run is still open
-    planner = Planner(run, settings["config"], plan_world) if plan_world else None
-    if planner is not None:
-        planner.start()
     line = sys.stdin.readline()
     request = json.loads(line) if line.strip() else {
         "status": KILLED, "error": "the launching process ended without saying how the launch ended"}
-    if planner is not None:
-        # A launch shorter than its plan gets its plan before the run is closed. One that failed or was stopped
-        # does not wait: the next attempt's tracker (a restart under torchrun) waits for this one's lock.
-        if request["status"] == FINISHED:
-            planner.wait(PLAN_WAIT_S)
-        planner.cancel()
     ok = run.finish(request["status"], request.get("error"), request.get("timeout_s", 60.0))
     return 0 if ok else 1
 

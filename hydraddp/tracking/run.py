@@ -138,9 +138,11 @@ class LaunchRun:
         self._client: Any = None
         self._prior: Any = None  # a continued run as this launch found it
         self._active = False  # params, tags and status are this launch's
-        # The launch's plan (plan.json's content), set by the tracker's planning thread when it is ready; what the
-        # run measured of the parts it predicts; and how far its logging got.
+        # The launch's plan (plan.json's content, once the launcher's planning process wrote it: newer than this run
+        # object, as an earlier launch's in this directory is not this one's); what the run measured of the parts it
+        # predicts; and how far its logging got.
         self.plan: dict[str, Any] | None = None
+        self._begun_at = time.time()
         self._measured: dict[str, float] = {}
         self._measured_step = 0
         self._plan_logged = self._plan_checked = False
@@ -336,6 +338,8 @@ class LaunchRun:
         it checks (run by the sending thread, and by ``finish`` for a plan that came late)."""
         from mlflow.entities import Metric, Param
 
+        if self.plan is None:
+            self.plan = self._written_plan()
         if self.plan is None or not self._active:
             return
         if not self._plan_logged:
@@ -349,6 +353,13 @@ class LaunchRun:
             now = int(time.time() * 1000)
             self._client.log_batch(self.run_id, metrics=[Metric(k, v, now, self._measured_step) for k, v in errors.items()])
             self._plan_checked = True
+
+    def _written_plan(self) -> dict[str, Any] | None:
+        path = self.job_dir / names.PLAN_FILE
+        try:
+            return json.loads(path.read_text()) if path.stat().st_mtime >= self._begun_at else None
+        except (OSError, ValueError):  # not written yet
+            return None
 
     # -- the end of the launch -------------------------------------------------------------------
     def finish(self, status: str, error: str | None = None, timeout_s: float = 60.0) -> bool:

@@ -15,7 +15,6 @@ from hydraddp.tracking.process import TrackerProcess
 from hydraddp.tracking.run import preflight
 
 PARENT_RUN_ENV = "HYDRADDP_PARENT_RUN_ID"  # set by a sweep for its jobs
-PLANNED_WRAPS = ("none", "ddp", "fsdp", "fsdp2")
 
 
 def tracking_uri(cfg: DictConfig) -> str:
@@ -56,8 +55,6 @@ def launch_run(plan: Any) -> TrackerProcess:
         "resuming": plan.resumes or plan.restarted, "resumed_from": plan.resumed_from,
         "adopt_run": plan.restarted and not tracking["run_id"],
         "entry_point": f"{'torchrun' if attached and attached.source == 'torchrun' else 'python'} -m hydraddp",
-        # The tracker plans what the simulated world can run (not DataParallel's replicas, not Horovod's ranks).
-        "plan_world_size": plan.world_size if config["plan"]["record"] and plan.wrap in PLANNED_WRAPS else None,
     })
 
 

@@ -1,7 +1,7 @@
-"""Where the tracker runs. It sends at nice 19 and plans at idle priority, so the ranks come first; that holds only
-inside the launcher's own session. Linux's autogroup shares the CPU between sessions as equals, so a tracker in a
-session of its own would weigh as much as all the ranks together. It needs its own process group, so that a Ctrl-C
-at the terminal reaches the launcher only."""
+"""Where the tracker runs. It sends at nice 19 (the launch's plan is made at idle priority), so the ranks come first;
+that holds only inside the launcher's own session. Linux's autogroup shares the CPU between sessions as equals, so a
+tracker in a session of its own would weigh as much as all the ranks together. It needs its own process group, so
+that a Ctrl-C at the terminal reaches the launcher only."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_the_tracker_runs_at_nice_19_in_the_launchers_session_but_not_its_proces
     tracker = TrackerProcess({
         "uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "placement", "job_dir": str(tmp_path),
         "config": {"plan": {"record": False}}, "overrides": [], "tags": {}, "run_id": None, "run_name": None,
-        "resuming": False, "resumed_from": None, "adopt_run": False, "plan_world_size": None})
+        "resuming": False, "resumed_from": None, "adopt_run": False})
     tracker.start()
     try:
         pid = tracker._proc.pid

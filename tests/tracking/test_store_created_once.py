@@ -45,3 +45,36 @@ def test_processes_opening_a_fresh_sqlite_store_together_all_get_a_whole_store(t
     run = client.create_run(client.create_experiment("after")).info
     client.log_metric(run.run_id, "loss", 1.0, step=1)
     assert client.get_metric_history(run.run_id, "loss")[0].value == 1.0
+
+
+def _schema(database) -> tuple[str, list[str]]:
+    import sqlite3
+
+    with sqlite3.connect(database) as db:
+        revision = db.execute("select version_num from alembic_version").fetchone()[0]
+        tables = sorted(row[0] for row in db.execute("select name from sqlite_master where type = 'table'"))
+    return revision, tables
+
+
+def test_a_new_store_is_a_copy_of_an_empty_one_as_mlflow_makes_it(tmp_path, monkeypatch):
+    """A new store is copied from an empty one (tables only, made once per MLflow version in the user's cache) instead
+    of running MLflow's migrations again: it has MLflow's own schema, and its Default experiment's artifacts go where
+    that store is used, not where the empty one was made."""
+    from mlflow.tracking import MlflowClient
+
+    from hydraddp.tracking.client import mlflow_client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    by_mlflow = tmp_path / "by_mlflow.db"
+    MlflowClient(f"sqlite:///{by_mlflow}").search_experiments()
+    for name in ("first", "second"):  # the first makes the empty store, the second only copies it
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        client = mlflow_client(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        assert client.get_experiment("0").artifact_location.startswith(str(tmp_path / name))
+        run = client.create_run("0").info
+        client.log_metric(run.run_id, "loss", 1.0, step=1)
+        assert client.get_metric_history(run.run_id, "loss")[0].value == 1.0
+        assert _schema(tmp_path / name / "mlflow.db") == _schema(by_mlflow)
+    assert [path.name for path in (tmp_path / "cache" / "hydraddp").iterdir()] == \
+        [f"mlflow-{__import__('mlflow').__version__}-empty-store.db"]

@@ -182,9 +182,7 @@ class Launches:
         from hydraddp.tracking.run import FAILED, FINISHED, KILLED
         from hydraddp.tracking.setup import launch_run
 
-        settings = dict(launch_run(plan).settings)  # the tracker process's own arguments
-        settings.pop("plan_world_size", None)  # the plan is recorded by the tracker's planner, left out here
-        run = launch_run_of(settings)
+        run = launch_run_of(dict(launch_run(plan).settings))  # the tracker process's own arguments
         run.start()
         run.finish({"finished": FINISHED, "preempted": KILLED}.get(status, FAILED))
         from mlflow.tracking import MlflowClient
