@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -90,11 +91,28 @@ def requeue(rank: int, exit_code: int) -> str:
                 handler(signum, None)  # requeues, then exits
             except UncompletedJobError as exc:  # "Job not requeued because: timed-out too many times."
                 return str(exc)
+            except subprocess.CalledProcessError as exc:  # its `scontrol requeue` was refused
+                return _requeue_refused(exc)
     elif os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         import time
 
         time.sleep(REQUEUE_WAIT_S)  # the requeue's SIGKILL ends it first (submitit ignores its SIGTERM)
     sys.exit(exit_code)
+
+
+def _requeue_refused(exc: Exception) -> str:
+    """Slurm refused rank 0's `scontrol requeue`. When it did because it requeued the job itself ("Job is pending
+    execution": the SIGTERM was its own, of an outside `scontrol requeue` or of a preemption that requeues), this
+    attempt ends as submitit's requeue ends it, with no result: seen on a real Slurm, the error returned as the task's
+    result made the submitting side report the job failed while its next attempt trained on. Otherwise (a cancelled
+    job) the launch ends preempted, saying why; its checkpoint resumes."""
+    state = subprocess.run(["squeue", "-h", "-j", os.environ.get("SLURM_JOB_ID", ""), "-o", "%T"],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        print(f"hydraddp: Slurm requeued job {os.environ.get('SLURM_JOB_ID')} itself (it is {state}): this attempt "
+              "ends, the next one resumes", file=sys.stderr, flush=True)
+        sys.exit(-1)  # as submitit's own handler exits after its requeue
+    return f"Job not requeued: `scontrol requeue` failed ({exc}) and the job is {state or 'gone'}"
 
 
 def fail(rank: int, exit_code: int, reason: str) -> NoReturn:
