@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh run  [overrides]    # python -m hydraddp: the default experiment, 2 CPU processes
 #   bash scripts/dev.sh test [pytest args]  # the test suite, then tests/vision in a venv of its own (made once)
 #                                           # (HYDRADDP_VISION_TESTS=0 skips that second venv)
+#   bash scripts/dev.sh docs [serve]        # the documentation site: built into site/ (--strict), or served
 # Setup runs once per pyproject.toml version; later calls go straight to the command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,8 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 case "$command" in
   run) extras="" ;;
   test) extras="[test]" ;;
-  *) echo "usage: bash scripts/dev.sh run|test [args]" >&2; exit 2 ;;
+  docs) extras="[docs]" ;;
+  *) echo "usage: bash scripts/dev.sh run|test|docs [args]" >&2; exit 2 ;;
 esac
 
 
@@ -91,6 +93,12 @@ fi
 
 case "$command" in
   run) exec "$VENV/bin/python" -m hydraddp "$@" ;;
+  docs)
+    export NO_MKDOCS_2_WARNING=1  # Material's notice about its successor, printed at every build
+    if [ "${1:-}" = serve ]; then
+      exec "$VENV/bin/python" -m mkdocs serve
+    fi
+    exec "$VENV/bin/python" -m mkdocs build --strict ;;
   test)
     # The Horovod tests run for real: build it (once; later calls find it, or its cached wheel).
     if [ -n "${horovod_build:-}" ]; then

@@ -32,7 +32,7 @@ class PrecisionConfig:
     name: str = "fp32"
     # Grad scaler settings: fp16 only (the other precisions scale nothing).
     init_scale: Optional[float] = None
-    growth_interval: Optional[int] = None
+    growth_interval: Optional[int] = None  # steps without an overflow before the scale doubles
 
 
 @dataclass
@@ -54,9 +54,9 @@ class LauncherConfig:
 class DataConfig:
     dataset: Any = MISSING
     batch_size: int = 64
-    eval_batch_size: int = 256
-    num_workers: int = 0
-    seq_len: Optional[int] = None
+    eval_batch_size: int = 256  # global, for evaluation
+    num_workers: int = 0  # DataLoader worker processes per rank
+    seq_len: Optional[int] = None  # tokens per sample, for text data (models with positions read it too)
 
 
 @dataclass

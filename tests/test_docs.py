@@ -1,7 +1,8 @@
-"""Every snippet of the README runs, or is run by the test named for it here.
+"""Every snippet of the documentation (README.md and the pages in docs/) runs, or is run by the test named for it
+here; and the config reference has an entry, with a meaning, for every key.
 
 - The Python files (a first line ``# name.py``) are written out and run as they are; the user package and its config
-  folder are built from the README's blocks, then the README's own command trains them.
+  folder are built from the pages' blocks, then the pages' own command trains them.
 - Every ``python -m hydraddp`` command composes, and validates where it names no placeholder (DATE/TIME, node0).
 - Every other command is listed in ``RUN_BY`` with the test (or script) that runs it; a new README command with no
   entry there fails this file.
@@ -28,7 +29,9 @@ import pytest
 from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import REPO, child_env, job_dirs, run_process
 
-README = (REPO / "README.md").read_text()
+# README.md and every page of the site, as one text: a snippet is found wherever it is.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+README = "\n".join(page.read_text() for page in PAGES)
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
 FILE_HEADER = re.compile(r"^# (\S+\.(?:py|yaml))\b.*$", re.M)
 # Commands with these compose but are not validated here: placeholders, or what this machine lacks (GPUs).
@@ -36,20 +39,21 @@ PLACEHOLDERS = ("DATE/TIME", "node0", "backend=nccl")
 
 # Commands that are not `python -m hydraddp OVERRIDES`, by their start: where each one runs for real.
 RUN_BY = {
-    "bash scripts/dev.sh run": "tests/test_readme.py::test_the_quickstart_run_command_trains",
+    "bash scripts/dev.sh run": "tests/test_docs.py::test_the_quickstart_run_command_trains",
     "bash scripts/dev.sh test": ".ci/run",
+    "bash scripts/dev.sh docs": ".ci/run",
     "bash scripts/install_horovod.sh": "scripts/dev.sh",
-    ".venv/bin/mlflow ui": "tests/test_readme.py::test_the_mlflow_ui_command_serves_the_runs",
+    ".venv/bin/mlflow ui": "tests/test_docs.py::test_the_mlflow_ui_command_serves_the_runs",
     "python -m hydraddp.plan": "tests/plan/test_command.py::test_the_plan_shows_units_parts_and_every_wrap",
     "python -m hydraddp.compare": "tests/tracking/test_compare.py::test_compare_prints_the_table_and_writes_the_plots",
     "python -m hydraddp.export": "tests/train/test_checkpoint.py::test_the_export_loads_with_weights_only_into_the_unwrapped_model",
     "python -m hydraddp --cfg job | --help": "tests/test_cli.py::test_help_lists_every_group_and_its_options",
-    "python -m hydraddp --config-dir myconf": "tests/test_readme.py::test_the_own_package_snippets_train_with_the_readmes_command",
+    "python -m hydraddp --config-dir myconf": "tests/test_docs.py::test_the_own_package_snippets_train_with_the_readmes_command",
     "torchrun --nproc_per_node=2 -m hydraddp": "tests/test_cli.py::test_under_torchrun_it_attaches_with_one_job_directory_and_every_rank_resumes_latest_there",
     "horovodrun --gloo -np 2": "tests/horovod/test_horovod.py::test_horovodrun_attach_makes_one_run_and_one_job_directory",
     "cp .env.example .env": "tests/test_docker_compose.py::test_services_and_secrets",
     "docker compose up --build": "tests/test_docker_compose.py::test_trainers_are_one_two_node_rendezvous_of_valid_hydraddp_commands",
-    ".venv/bin/python -m pytest -m \"not slow\"": "tests/test_readme.py::test_the_fast_tier_launches_nothing_and_checks_every_wrap_on_two_ranks",
+    ".venv/bin/python -m pytest -m \"not slow\"": "tests/test_docs.py::test_the_fast_tier_launches_nothing_and_checks_every_wrap_on_two_ranks",
     ".venv/bin/python benchmarks/run.py": "tests/test_benchmarks.py::test_the_harness_measures_every_figure_and_the_peers_train_the_same_model",
     "python -m hydraddp.kube": "tests/clusters/test_kube.py::test_the_manifest_validates_with_the_operators_own_models_and_holds_no_secret",
     # No cluster here: the manifest's pods read this Secret, which that test checks.
@@ -74,7 +78,7 @@ def files(block: str) -> dict[str, str]:
 
 def readme_file(name: str) -> str:
     found = [files(b)[name] for b in blocks("python") + blocks("yaml") if name in files(b)]
-    assert len(found) == 1, f"the README should hold {name} once"
+    assert len(found) == 1, f"the documentation should hold {name} once"
     return found[0]
 
 
@@ -134,7 +138,7 @@ def test_every_other_command_is_run_by_a_named_test():
         if hydraddp_overrides(command) is not None and not command.startswith(("torchrun", "horovodrun")):
             continue
         [runner] = [where for start, where in RUN_BY.items() if command.startswith(start)] or [None]
-        assert runner is not None, f"README command with no test that runs it: {command!r} (add it to RUN_BY)"
+        assert runner is not None, f"documented command with no test that runs it: {command!r} (add it to RUN_BY)"
         path, _, test = runner.partition("::")
         text = (REPO / path).read_text()
         assert (f"def {test}(" in text) if test else command.split()[-1] in text or "dev.sh test" in text, runner
@@ -212,7 +216,7 @@ def plain_signature(fn) -> str:
 
 @pytest.mark.slow
 def test_the_quickstart_run_command_trains(tmp_path):
-    [command] = [c for c in commands() if c.startswith("bash scripts/dev.sh run")]
+    [command] = {c for c in commands() if c.startswith("bash scripts/dev.sh run")}  # the same on every page
     env = {"VENV": sys.prefix}  # this venv: the setup finds everything installed
     done = run_process([*shlex.split(command), "trainer.max_steps=10", "tracking.enabled=false",
                         f"hydra.run.dir={tmp_path}/job"], cwd=REPO, timeout=300, env=env)
@@ -256,3 +260,26 @@ def test_the_fast_tier_launches_nothing_and_checks_every_wrap_on_two_ranks():
     launching = ("tests/test_cli.py", "tests/clusters/test_submitit.py", "tests/horovod/", "tests/ignite_reference/",
                  "tests/tracking/test_mlflow.py", "tests/test_wheel.py")
     assert not [test for test in selected if test.startswith(launching)]
+
+
+def test_every_key_of_every_option_has_a_reference_entry_with_its_meaning():
+    """docs/reference/config.md is generated from conf/ and the schema (docs/config_reference.py): every key of the
+    composed default config and of every group's every option is there, with a meaning from a comment beside it."""
+    sys.path.insert(0, str(REPO / "docs"))
+    try:
+        import config_reference
+    finally:
+        sys.path.remove(str(REPO / "docs"))
+    from omegaconf import OmegaConf
+
+    from hydraddp.config.compose import compose
+
+    assert config_reference.undocumented() == []
+    page = config_reference.markdown()
+    default = OmegaConf.to_container(compose([]), resolve=False)
+    default.pop("hydra", None)
+    keys = [key for key, _ in config_reference._flat(default, "")]
+    assert len(keys) > 60 and all(f"| `{key}` |" in page for key in keys)
+    for group, names in config_reference.options().items():
+        assert all(f"### `{group}={name}`" in page for name in names)
+    assert "| `wrap.kwargs.sharding_strategy` |" in page  # a key only one option (wrap=fsdp) has
