@@ -18,7 +18,7 @@ from hydraddp.parallel import machine, meta_init, wrappers
 from hydraddp.parallel.combinations import Combination, ConfigurationError, Problem, resolve_wrap
 from hydraddp.distributed.comp_models.horovod import HOROVOD, accept_set_to_none
 from hydraddp.parallel.mesh import MeshShape
-from hydraddp.parallel.plan import ParallelPlan
+from hydraddp.parallel.layout import Layout
 from hydraddp.parallel.parallelize import parallelize
 from hydraddp.parallel.precision import make_grad_scaler, precision_spec
 from hydraddp.distributed.report import WrapRecord
@@ -76,10 +76,10 @@ def auto_model(
     combo = combination_here(wrap=wrap or "auto", precision=precision or "fp32", offload=offload, sync_bn=sync_bn,
                              compile=compile, nproc_per_node=utils.get_nproc_per_node())
     machine.raise_for_problems(combo)
-    plan = ParallelPlan.of(model, resolve_wrap(combo), precision_spec(precision), utils.device(),
+    layout = Layout.of(model, resolve_wrap(combo), precision_spec(precision), utils.device(),
                            utils.get_world_size(), offload=offload == "cpu", sync_bn=sync_bn,
                            activation_checkpointing=activation_checkpointing, compile=compile, **kwargs)
-    log.info("auto_model: wrap=%s precision=%s offload=%s on %s", plan.wrap, plan.precision.name, offload, plan.device)
+    log.info("auto_model: wrap=%s precision=%s offload=%s on %s", layout.wrap, layout.precision.name, offload, layout.device)
     init_device = "meta" if meta_init.replay_of(model) is not None else \
         str(next(model.parameters(), torch.empty(0)).device.type)
     total_numel = sum(p.numel() for p in model.parameters())
@@ -87,9 +87,9 @@ def auto_model(
     if trainable_numel < total_numel:
         log.info("auto_model: %d of %d parameters train; the rest are frozen (no gradients, no optimizer state)",
                  trainable_numel, total_numel)
-    model, checkpointed, compiled = parallelize(model, plan)
-    model._hydraddp_wrap = WrapRecord(plan.wrap, plan.precision, offload, total_numel, tuple(checkpointed),
-                                       tuple(compiled), init_device, plan.mesh, trainable_numel)
+    model, checkpointed, compiled = parallelize(model, layout)
+    model._hydraddp_wrap = WrapRecord(layout.wrap, layout.precision, offload, total_numel, tuple(checkpointed),
+                                       tuple(compiled), init_device, layout.mesh, trainable_numel)
     return model
 
 

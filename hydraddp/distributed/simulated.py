@@ -21,7 +21,7 @@ from hydraddp.distributed import utils
 from hydraddp.distributed.comp_models.native import _NativeDistModel, _Topology
 from hydraddp.parallel.mesh import MeshShape
 from hydraddp.parallel.mesh import build as build_mesh
-from hydraddp.parallel import planning
+from hydraddp.parallel import simulation
 
 
 
@@ -40,7 +40,7 @@ class _SimulatedDistModel(_NativeDistModel):
         return torch.device("cpu")  # the bytes per rank are the same on any device
 
 
-active = planning.active  # the simulated world being planned in, or None in a real one
+active = simulation.active  # the simulated world being planned in, or None in a real one
 
 
 @contextlib.contextmanager
@@ -53,7 +53,7 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized() or planning.active() is not None:
+    if dist.is_initialized() or simulation.active() is not None:
         raise RuntimeError("simulated_world needs a process with no process group of its own")
     nproc = nproc_per_node or world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -61,16 +61,16 @@ def simulated_world(world_size: int, backend: str = "gloo", nproc_per_node: int 
         # The mesh reads the group's ranks: it must exist before fake tensors, which have no values to read.
         shape = MeshShape.of(mesh_shape).resolved(world_size)
         mesh = build_mesh(shape, "cpu") if shape.multi_dimensional else init_device_mesh("cpu", (world_size,))
-        planning.world = _SimulatedDistModel(
+        simulation.world = _SimulatedDistModel(
             _Topology(rank % nproc, nproc, max(world_size // nproc, 1), rank // nproc), backend, mesh)
-        utils._set_model(planning.world)
+        utils._set_model(simulation.world)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, warnings.catch_warnings(), _meshes_unfaked(), \
                 _fake_modules_convertible(mode):
             # FSDP1 asks a flat parameter for its address once: harmless here, where nothing is read through it.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield mode
     finally:
-        planning.world = None
+        simulation.world = None
         utils._set_model(utils._SerialModel())
         dist.destroy_process_group()
 

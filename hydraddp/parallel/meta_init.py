@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hydraddp.parallel.meta_record import NotReplayable, View, record
-from hydraddp.parallel.meta_steps import HFStep, ModuleRecord, Plan, describe, own_tensors, resolve
+from hydraddp.parallel.meta_steps import HFStep, InitRecord, ModuleRecord, describe, own_tensors, resolve
 
 __all__ = ["InitReplay", "NotReplayable", "build_on_meta", "replay_of", "shared_tensors"]
 
@@ -288,8 +288,8 @@ class _Coverage:
             self.covered.add(key)
             del self.partial[key]
 
-    def refuse_uncovered(self, plan: Plan) -> None:
-        for name, recorded in plan.records.items():
+    def refuse_uncovered(self, record: InitRecord) -> None:
+        for name, recorded in record.records.items():
             missing = [t for t in recorded.tensors if (name, t) not in self.covered]
             if missing and recorded.cls is not None:
                 where = ", ".join(f"{name}.{t}" if name else t for t in missing)
@@ -305,15 +305,15 @@ def _lowest_highest(dtype: torch.dtype) -> tuple[bool | int, bool | int]:
     return info.min, info.max
 
 
-def _dry_run(plan: Plan) -> None:
+def _dry_run(record: InitRecord) -> None:
     """Every step once, in the whole build's order from the generator's state now, on temporary storages of one
     module at a time: records each step's generator state, and refuses what no step sets."""
-    scratch = _Scratch(max((_Scratch.nbytes_for(r.storages) for r in plan.records.values()), default=0))
+    scratch = _Scratch(max((_Scratch.nbytes_for(r.storages) for r in record.records.values()), default=0))
     coverage, states = _Coverage(), _States()
-    for name, group in itertools.groupby(plan.order, key=lambda item: item[0]):
-        _dry_run_module(name, plan.records[name], plan.modules.get(name), [s for _, s in group], scratch,
+    for name, group in itertools.groupby(record.order, key=lambda item: item[0]):
+        _dry_run_module(name, record.records[name], record.modules.get(name), [s for _, s in group], scratch,
                         coverage, states)
-    coverage.refuse_uncovered(plan)
+    coverage.refuse_uncovered(record)
 
 
 def _dry_run_module(name: str, recorded: ModuleRecord, module: nn.Module | None, steps: list, scratch: _Scratch,
@@ -380,15 +380,15 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitRepl
     if shared:
         names = next(iter(shared.values()))
         raise NotReplayable(f"{' and '.join(names)} are one tensor (tied weights): they are initialized as one")
-    plan = resolve(model, log)
+    init_record = resolve(model, log)
     del log  # the construction's temporaries: only their sizes were needed
     torch.set_rng_state(start)
     try:
-        _dry_run(plan)
+        _dry_run(init_record)
     except NotReplayable:
         torch.set_rng_state(start)
         raise
-    replay = InitReplay({name: r for name, r in plan.records.items() if r.cls is not None})
+    replay = InitReplay({name: r for name, r in init_record.records.items() if r.cls is not None})
     replay.bind(model)
     return model, replay
 

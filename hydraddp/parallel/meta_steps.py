@@ -102,7 +102,9 @@ class ModuleRecord:
 
 
 @dataclass
-class Plan:
+class InitRecord:
+    """What a meta build's initializers did, module by module, in the whole build's order: what the build replays."""
+
     modules: dict[str, nn.Module]  # by qualified name, as built
     records: dict[str, ModuleRecord]  # by qualified name; a temporary's as "<temporary N>"
     order: list[tuple[str, Step]]  # every step, in the whole build's order
@@ -238,7 +240,7 @@ def _make(op: Op, index: int) -> MakeStep:
     return MakeStep(op.func, args, kwargs, Ref(index, op.out.view))
 
 
-def resolve(model: nn.Module, log: Log) -> Plan:
+def resolve(model: nn.Module, log: Log) -> InitRecord:
     """Each module's record, and every step in the whole build's order (Hugging Face ``_init_weights`` steps placed
     where each ``post_init`` ran)."""
     modules = dict(model.named_modules())
@@ -252,7 +254,7 @@ def resolve(model: nn.Module, log: Log) -> Plan:
         if placed is not None:
             events.append((placed[0], placed[1], event.site))
     order = _with_post_inits(model, {id(m): n for n, m in modules.items()}, events)
-    return Plan(modules, resolver.records, order)
+    return InitRecord(modules, resolver.records, order)
 
 
 def _with_post_inits(model: nn.Module, names: dict[int, str],

@@ -1,8 +1,8 @@
-"""How a model is spread over ranks: one pipeline for every wrap, driven by one ``ParallelPlan``.
+"""How a model is spread over ranks: one pipeline for every wrap, driven by one ``Layout``.
 
-    auto_model = validate (combinations) -> plan (ParallelPlan.of) -> parallelize -> record (WrapRecord)
+    auto_model = validate (combinations) -> layout (Layout.of) -> parallelize -> record (WrapRecord)
 
-    parallelize(model, plan), in this order:
+    parallelize(model, layout), in this order:
       0. prepare               SyncBatchNorm (names and tensors kept, so a meta build's record stays valid), the
                                device, the precision's weight cast and hooks
       1. apply_tp              tensor parallel over mesh["tp"] (fsdp2 with tp > 1; ``tp.py``)
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydraddp.parallel import meta_init, planning, policies, wrappers
+from hydraddp.parallel import meta_init, policies, simulation, wrappers
 from hydraddp.parallel.combinations import ConfigurationError, Problem
 from hydraddp.parallel.mesh import data_parallel
 from hydraddp.parallel.mesh import build as build_mesh
-from hydraddp.parallel.plan import AUTOCAST_WRAPS, SYNC_BN_WRAPS, ParallelPlan
+from hydraddp.parallel.layout import AUTOCAST_WRAPS, SYNC_BN_WRAPS, Layout
 from hydraddp.parallel.precision import add_precision_hooks, fsdp2_mp_policy
 from hydraddp.parallel.tp import apply_tp, resolve_tp_plan
 from hydraddp.parallel.wrappers import BATCHNORM_TYPES, broadcast_module_states, remember_replaced
@@ -39,75 +39,75 @@ from hydraddp.parallel.wrappers import BATCHNORM_TYPES, broadcast_module_states,
 log = logging.getLogger(__name__)
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[str], list[str]]:
-    """``model`` made parallel as ``plan`` says. Returns the model, its checkpointed blocks and its compiled modules."""
+def parallelize(model: nn.Module, layout: Layout) -> tuple[nn.Module, list[str], list[str]]:
+    """``model`` made parallel as ``layout`` says. Returns the model, its checkpointed blocks and its compiled modules."""
     from torch.distributed.tensor import DTensor
 
-    model = prepare(model, plan)
+    model = prepare(model, layout)
     before = [p for p in model.parameters() if not isinstance(p, DTensor)]  # a user's own DTensors stay theirs
-    dp_mesh, tp_mesh = _meshes(plan) if plan.wrap == "fsdp2" else (None, None)
-    if plan.wrap == "fsdp2":
+    dp_mesh, tp_mesh = _meshes(layout) if layout.wrap == "fsdp2" else (None, None)
+    if layout.wrap == "fsdp2":
         # Every rank starts from the first rank's weights, before anything splits them (a meta build has none yet:
         # its values are drawn alike on every rank, after sharding). The other wrappers broadcast for themselves.
         broadcast_module_states(model, dp_mesh.get_group() if tp_mesh is None and dp_mesh.ndim == 1 else
-                                torch.distributed.group.WORLD, plan.device)
+                                torch.distributed.group.WORLD, layout.device)
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh, resolve_tp_plan(model, plan.tp_plan))
+        apply_tp(model, tp_mesh, resolve_tp_plan(model, layout.tp_plan))
     # FSDP1: inside its units, after wrapping (torch's order): a checkpoint wrapper around a unit hides the unit's
     # flat parameter from DCP's names, and a resume found no optimizer state for it.
-    checkpoint_inside_units = plan.wrap == "fsdp"
-    checkpointed = apply_ac(model, plan.blocks) if plan.activation_checkpointing and not checkpoint_inside_units else []
-    compiled = apply_compile(model, plan.blocks if plan.wrap == "fsdp2" else ()) if plan.compile else []
-    model = apply_fsdp2(model, plan, dp_mesh) if plan.wrap == "fsdp2" else WRAPPERS[plan.wrap](model, plan)
-    materialize(model, plan)
-    if plan.activation_checkpointing and checkpoint_inside_units:
-        checkpointed = [meta_init.unwrapped_name(name) for name in apply_ac(model, plan.blocks)]
+    checkpoint_inside_units = layout.wrap == "fsdp"
+    checkpointed = apply_ac(model, layout.blocks) if layout.activation_checkpointing and not checkpoint_inside_units else []
+    compiled = apply_compile(model, layout.blocks if layout.wrap == "fsdp2" else ()) if layout.compile else []
+    model = apply_fsdp2(model, layout, dp_mesh) if layout.wrap == "fsdp2" else WRAPPERS[layout.wrap](model, layout)
+    materialize(model, layout)
+    if layout.activation_checkpointing and checkpoint_inside_units:
+        checkpointed = [meta_init.unwrapped_name(name) for name in apply_ac(model, layout.blocks)]
     remember_replaced(before, model)
     return model, checkpointed, compiled
 
 
-WRAPPERS: dict[str, Callable[[nn.Module, ParallelPlan], nn.Module]] = {
+WRAPPERS: dict[str, Callable[[nn.Module, Layout], nn.Module]] = {
     "none": wrappers.apply_none, "dp": wrappers.apply_dp, "ddp": wrappers.apply_ddp, "fsdp": wrappers.apply_fsdp,
     "horovod": wrappers.apply_horovod}
 
 
 # --- 0. prepare ---------------------------------------------------------------------------------------------------
 
-def prepare(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+def prepare(model: nn.Module, layout: Layout) -> nn.Module:
     """SyncBatchNorm, then (a meta build under a wrap that needs whole tensors) the values, the device, the
     precision's weight dtype and its hooks: on the model itself, before wrapping, since the wrappers call it,
     DataParallel's replicas copy its hooks, and the FSDPs cast for themselves (their outputs still come back in fp32
     from these hooks)."""
-    if plan.sync_bn and plan.wrap in SYNC_BN_WRAPS:
+    if layout.sync_bn and layout.wrap in SYNC_BN_WRAPS:
         log.info("Converting BatchNorm to SyncBatchNorm")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     replay = meta_init.replay_of(model)
     if replay is not None:
         replay.bind(model)  # by module name, after the swap above, before a wrapper renames them
-    if not plan.shards:
-        materialize(model, plan)
-        if not all(p.device == plan.device for p in model.parameters()):
-            model.to(plan.device)  # FSDP moves each unit as it shards it (and keeps it on the CPU under offload)
-    if plan.precision.storage_dtype != torch.float32:
-        model.to(plan.precision.storage_dtype)  # bf16-true: the weights themselves are bf16
-    add_precision_hooks(model, plan.precision, plan.device.type, autocast=plan.wrap in AUTOCAST_WRAPS)
+    if not layout.shards:
+        materialize(model, layout)
+        if not all(p.device == layout.device for p in model.parameters()):
+            model.to(layout.device)  # FSDP moves each unit as it shards it (and keeps it on the CPU under offload)
+    if layout.precision.storage_dtype != torch.float32:
+        model.to(layout.precision.storage_dtype)  # bf16-true: the weights themselves are bf16
+    add_precision_hooks(model, layout.precision, layout.device.type, autocast=layout.wrap in AUTOCAST_WRAPS)
     return model
 
 
-def _meshes(plan: ParallelPlan) -> tuple[Any, Any]:
+def _meshes(layout: Layout) -> tuple[Any, Any]:
     """The data-parallel mesh FSDP2 shards over, and the TP mesh (None without TP)."""
-    shape = plan.mesh_shape
-    if plan.user_mesh is not None:
+    shape = layout.mesh_shape
+    if layout.user_mesh is not None:
         if shape.multi_dimensional:
             raise ValueError(f"mesh= (your own DeviceMesh) and mesh_shape={shape.describe()} both say what to shard "
                              "over; pass one of them.")
-        return plan.user_mesh, None
-    planned = planning.active()  # a plan's mesh was made before its fake tensors, which cannot make one
+        return layout.user_mesh, None
+    planned = simulation.active()  # a plan's mesh was made before its fake tensors, which cannot make one
     if not shape.multi_dimensional:
         from torch.distributed.device_mesh import init_device_mesh
 
-        return (planned.mesh if planned else init_device_mesh(plan.device.type, (plan.world_size,))), None
-    mesh = planned.mesh if planned else build_mesh(shape, plan.device.type)
+        return (planned.mesh if planned else init_device_mesh(layout.device.type, (layout.world_size,))), None
+    mesh = planned.mesh if planned else build_mesh(shape, layout.device.type)
     return data_parallel(mesh), (mesh["tp"] if shape.tp > 1 else None)
 
 
@@ -149,15 +149,15 @@ def apply_compile(model: nn.Module, blocks: Iterable[type | str]) -> list[str]:
 
 # --- 4. fully_shard -----------------------------------------------------------------------------------------------
 
-def apply_fsdp2(model: nn.Module, plan: ParallelPlan, dp_mesh: Any) -> nn.Module:
-    """``fully_shard`` on BatchNorms (fp32), each unit, then the root, over ``dp_mesh``. The plan's ``wrapper_kwargs``
+def apply_fsdp2(model: nn.Module, layout: Layout, dp_mesh: Any) -> nn.Module:
+    """``fully_shard`` on BatchNorms (fp32), each unit, then the root, over ``dp_mesh``. The layout's ``wrapper_kwargs``
     go to ``fully_shard``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs = dict(plan.wrapper_kwargs)
-    spec = plan.precision
+    kwargs = dict(layout.wrapper_kwargs)
+    spec = layout.precision
     user_mp = kwargs.pop("mp_policy", None)
-    offload_policy = kwargs.pop("offload_policy", None) or (CPUOffloadPolicy() if plan.offload else OffloadPolicy())
+    offload_policy = kwargs.pop("offload_policy", None) or (CPUOffloadPolicy() if layout.offload else OffloadPolicy())
     common = {"mesh": dp_mesh, "offload_policy": offload_policy, **kwargs}
     unit_mp = user_mp or fsdp2_mp_policy(spec)
     # The root returns fp32 outputs in mixed modes, so the loss is computed in fp32 as under autocast.
@@ -173,7 +173,7 @@ def apply_fsdp2(model: nn.Module, plan: ParallelPlan, dp_mesh: Any) -> nn.Module
         for module in model.modules():
             if isinstance(module, BATCHNORM_TYPES) and not is_sharded(module) and any(True for _ in module.parameters()):
                 fully_shard(module, mp_policy=bn_mp, **common)
-    units = list(policies.plan_units(model, plan.units, skip=is_sharded))
+    units = list(policies.plan_units(model, layout.units, skip=is_sharded))
     for name in units:
         module = model.get_submodule(name)
         # torchtitan's rule: the last unit keeps its parameters gathered after forward, since backward starts with it
@@ -188,7 +188,7 @@ def apply_fsdp2(model: nn.Module, plan: ParallelPlan, dp_mesh: Any) -> nn.Module
 
 # --- 5. materialize -----------------------------------------------------------------------------------------------
 
-def materialize(model: nn.Module, plan: ParallelPlan) -> None:
+def materialize(model: nn.Module, layout: Layout) -> None:
     """A model built on the meta device (``meta_init.build_on_meta``) gets its values, the whole build's: whole
     (before a wrapper that needs whole tensors), or, after ``fully_shard``, each rank allocates its shards only and
     fills them module by module (one module's full tensors at a time; every rank draws the same values, so nothing is
@@ -196,6 +196,6 @@ def materialize(model: nn.Module, plan: ParallelPlan) -> None:
     replay = meta_init.replay_of(model)
     if replay is None:
         return
-    if plan.wrap == "fsdp2":
-        model.to_empty(device="cpu" if plan.offload else plan.device)
-    replay.materialize(model, plan.device)
+    if layout.wrap == "fsdp2":
+        model.to_empty(device="cpu" if layout.offload else layout.device)
+    replay.materialize(model, layout.device)

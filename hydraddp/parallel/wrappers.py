@@ -1,6 +1,6 @@
 """The wrappers of the wraps other than fsdp2 (whose ``fully_shard`` step is ``parallelize.apply_fsdp2``): step 4 of
 ``parallelize``. Each takes the model (on its device, but under fsdp still on the meta device or the CPU) and the
-``ParallelPlan``, and returns the wrapped model; the plan's ``wrapper_kwargs`` are the wrapper's own, as given.
+``Layout``, and returns the wrapped model; the layout's ``wrapper_kwargs`` are the wrapper's own, as given.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hydraddp.parallel import meta_init, planning
-from hydraddp.parallel.plan import ParallelPlan
+from hydraddp.parallel import meta_init, simulation
+from hydraddp.parallel.layout import Layout
 from hydraddp.parallel.precision import fsdp1_mixed_precision
 
 T = TypeVar("T")
@@ -52,34 +52,34 @@ def _enum(enum_cls: Any, value: Any) -> Any:
         raise ValueError(f"{enum_cls.__name__}={value!r} is not an option; use one of: {valid}") from None
 
 
-def apply_none(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+def apply_none(model: nn.Module, layout: Layout) -> nn.Module:
     return model
 
 
-def apply_dp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
-    return nn.DataParallel(model, **plan.wrapper_kwargs)
+def apply_dp(model: nn.Module, layout: Layout) -> nn.Module:
+    return nn.DataParallel(model, **layout.wrapper_kwargs)
 
 
-def apply_ddp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
-    kwargs = dict(plan.wrapper_kwargs)
-    if plan.device.type == "cuda":
+def apply_ddp(model: nn.Module, layout: Layout) -> nn.Module:
+    kwargs = dict(layout.wrapper_kwargs)
+    if layout.device.type == "cuda":
         if "device_ids" in kwargs:
-            raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{plan.device.index}]); drop "
+            raise ValueError(f"auto_model sets device_ids itself on CUDA (to [{layout.device.index}]); drop "
                              f"device_ids={kwargs['device_ids']}")
-        kwargs["device_ids"] = [plan.device.index]
-    if planning.active():  # a plan: DDP's reducer needs real storage, its stand-in holds the same bytes
-        return planning.BucketedGradients(model, **kwargs)
+        kwargs["device_ids"] = [layout.device.index]
+    if simulation.active():  # a plan: DDP's reducer needs real storage, its stand-in holds the same bytes
+        return simulation.BucketedGradients(model, **kwargs)
     return nn.parallel.DistributedDataParallel(model, **kwargs)
 
 
-def apply_fsdp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
-    """FSDP1's ``FullyShardedDataParallel``, its units from the plan's policy. A model built on the meta device is
+def apply_fsdp(model: nn.Module, layout: Layout) -> nn.Module:
+    """FSDP1's ``FullyShardedDataParallel``, its units from the layout's policy. A model built on the meta device is
     filled unit by unit as FSDP1 wraps it (``param_init_fn``)."""
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    kwargs = {**plan.wrapper_kwargs, "auto_wrap_policy": plan.units}
-    device = plan.device
+    kwargs = {**layout.wrapper_kwargs, "auto_wrap_policy": layout.units}
+    device = layout.device
     if "use_orig_params" not in kwargs and len({p.requires_grad for p in model.parameters()}) > 1:
         # FSDP1 flattens a unit into one parameter with one requires_grad: frozen weights beside trainable ones (a
         # LoRA model's base and adapters, in every attention block) fit in one unit only with the original
@@ -98,10 +98,10 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan) -> nn.Module:
     replay = meta_init.replay_of(model)
     if replay is not None:  # built on the meta device: FSDP1 asks for each module's values as it wraps its unit
         kwargs.setdefault("param_init_fn", lambda module: replay.materialize_module(module, device))
-    if plan.offload:
+    if layout.offload:
         kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))
     if kwargs.get("mixed_precision") is None:
-        kwargs["mixed_precision"] = fsdp1_mixed_precision(plan.precision)
+        kwargs["mixed_precision"] = fsdp1_mixed_precision(layout.precision)
     for key, enum_cls in (("backward_prefetch", BackwardPrefetch), ("sharding_strategy", ShardingStrategy)):
         if key in kwargs:
             kwargs[key] = _enum(enum_cls, kwargs[key])
@@ -160,11 +160,11 @@ def convert_batchnorm(model: nn.Module, factory: Any) -> nn.Module:
     return model
 
 
-def apply_horovod(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+def apply_horovod(model: nn.Module, layout: Layout) -> nn.Module:
     """Horovod's data parallelism: every rank starts from rank 0's parameters and buffers."""
     import horovod.torch as hvd
 
-    if plan.sync_bn:
+    if layout.sync_bn:
         model = convert_batchnorm(
             model,
             lambda bn: hvd.SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats).to(

@@ -1,4 +1,4 @@
-"""The parallel plan: everything ``auto_model`` will do to one model, decided from its arguments before any step runs,
+"""The parallel layout: everything ``auto_model`` will do to one model, decided from its arguments before any step runs,
 in one small typed description that every step of ``parallelize`` reads (no keyword arguments popped on the way)."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ SYNC_BN_WRAPS = ("ddp", "fsdp", "fsdp2")  # horovod converts to its own SyncBatc
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class Layout:
     """How one model is spread over the ranks.
 
-    >>> plan = ParallelPlan.of(model, "fsdp2", precision_spec("bf16"), torch.device("cpu"), 2)  # doctest: +SKIP
+    >>> layout = Layout.of(model, "fsdp2", precision_spec("bf16"), torch.device("cpu"), 2)  # doctest: +SKIP
     """
 
     wrap: str  # realized: none | dp | ddp | fsdp | fsdp2 | horovod
@@ -50,8 +50,8 @@ class ParallelPlan:
     @classmethod
     def of(cls, model: nn.Module, wrap: str, precision: PrecisionSpec, device: torch.device, world_size: int, *,
            offload: bool = False, sync_bn: bool = False, activation_checkpointing: bool = False,
-           compile: bool = False, **kwargs: Any) -> ParallelPlan:
-        """The plan for ``model`` under the realized ``wrap``. ``kwargs``: ``mesh_shape``, ``tp_plan``, a user's
+           compile: bool = False, **kwargs: Any) -> Layout:
+        """The layout of ``model`` under the realized ``wrap``. ``kwargs``: ``mesh_shape``, ``tp_plan``, a user's
         ``mesh`` (fsdp2), the unit policy keys (``auto_wrap_policy``, ``block_classes``, ``min_num_params``) and
         the wrapper's own keywords, which are passed on as given."""
         kwargs = dict(kwargs)
