@@ -1,4 +1,4 @@
-"""What ``python -m hydraddp`` does with a composed config: plan the launch (``launch_plan``), start its MLflow run,
+"""What ``python -m hydraddp`` does with a composed config: decide the launch (``hydraddp.job``), start its MLflow run,
 launch, and exit with the contract's codes.
 
 | code | meaning |
@@ -95,7 +95,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Plan ``cfg``'s launch and run it. In a single run, exits with the contract's code; in a sweep, returns
     the job's outcome (the sweep goes on after a failed job) for the summary table."""
     from hydraddp.clusters import submitit as submitit_task
-    from hydraddp.launch_plan import prepare
+    from hydraddp.job import prepare
 
     if submitit_task.in_task():
         submitit_task.attach()  # this task is one rank of the job's world: before anything asks who it is
@@ -109,15 +109,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     try:
         try:
-            plan = prepare(cfg, job_dir, overrides, sweeping, hydra_cfg.job.get("num") or 0, _remove_if_untouched)
+            job = prepare(cfg, job_dir, overrides, sweeping, hydra_cfg.job.get("num") or 0, _remove_if_untouched)
         except Exception as exc:
             _tell_peers(cfg, f"{type(exc).__name__}: {exc}")
             raise
-        if isinstance(plan, list):
-            _report_problems(plan, job_dir)
-            _tell_peers(cfg, f"invalid configuration: {str(plan[0]).strip()}")
-            return _ended({**outcome, "status": "invalid", "error": str(plan[0])}, sweeping, EXIT_INVALID)
-        return _start(plan, outcome)
+        if isinstance(job, list):
+            _report_problems(job, job_dir)
+            _tell_peers(cfg, f"invalid configuration: {str(job[0]).strip()}")
+            return _ended({**outcome, "status": "invalid", "error": str(job[0])}, sweeping, EXIT_INVALID)
+        return _start(job, outcome)
     finally:
         claim.release()  # the checkpoint.dir preflight claimed for this launch: the next launch (or job) may use it
 
@@ -136,76 +136,76 @@ def _tell_peers(cfg: DictConfig, reason: str) -> None:
     refuse(reason, datetime.timedelta(seconds=timeout if isinstance(timeout, (int, float)) and timeout > 0 else 600))
 
 
-def _start(plan: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+def _start(job: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     """Start the launch's MLflow run and its node trackers, then launch."""
-    outcome["job_dir"] = str(plan.job_dir)
-    for warning in plan.warnings:
+    outcome["job_dir"] = str(job.job_dir)
+    for warning in job.warnings:
         print(f"hydraddp: warning: {warning}", file=sys.stderr, flush=True)
-    os.environ[names.LAUNCHED_AT_ENV] = repr(plan.started_at)  # the workers' perf/startup_s counts from here
-    os.environ[JOIN_TIMEOUT_ENV] = str(plan.config["launcher"]["timeout"])  # how long attached ranks wait for peers
+    os.environ[names.LAUNCHED_AT_ENV] = repr(job.started_at)  # the workers' perf/startup_s counts from here
+    os.environ[JOIN_TIMEOUT_ENV] = str(job.config["launcher"]["timeout"])  # how long attached ranks wait for peers
     slurm_job = slurm_allocation_outside_step()
     if slurm_job is not None:
         print(f"hydraddp: in Slurm job {slurm_job} but not in an srun step: launching "
-              f"{plan.config['launcher']['nproc_per_node']} local worker(s) as configured (start under srun to "
+              f"{job.config['launcher']['nproc_per_node']} local worker(s) as configured (start under srun to "
               "attach).", file=sys.stderr, flush=True)
     tracker = None
-    if plan.tracks:
+    if job.tracks:
         from hydraddp.tracking.setup import launch_run
 
-        tracker = launch_run(plan)
+        tracker = launch_run(job)
         tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
     from hydraddp.tracking.node import for_launch
 
-    node = for_launch(plan, tracker)  # over several nodes: each one's system metrics and logs into the run
+    node = for_launch(job, tracker)  # over several nodes: each one's system metrics and logs into the run
     try:
-        return _launch(plan, tracker, outcome)
+        return _launch(job, tracker, outcome)
     finally:
         if node is not None:
-            node.finish(plan.config["tracking"]["flush_timeout_s"])
+            node.finish(job.config["tracking"]["flush_timeout_s"])
 
 
-def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+def _launch(job: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     from hydraddp.distributed import WorkerFailedError  # torch: after the tracker started
     from hydraddp.launch import launch
     from hydraddp.tracking.run import FAILED, FINISHED, KILLED
 
-    if tracker and plan.config["plan"]["record"]:
+    if tracker and job.config["plan"]["record"]:
         from hydraddp.launch import plan_recording
 
-        tracker.plan_with(plan_recording(plan))
-    flush_s = plan.config["tracking"]["flush_timeout_s"]
+        tracker.plan_with(plan_recording(job))
+    flush_s = job.config["tracking"]["flush_timeout_s"]
     try:
-        rank, result = launch(plan, tracker.events_path if tracker else None)
+        rank, result = launch(job, tracker.events_path if tracker else None)
     except WorkerFailedError as exc:
-        return _worker_failed(exc, plan, tracker, outcome)
+        return _worker_failed(exc, job, tracker, outcome)
     except BaseException as exc:
-        preempted = _preemption_since(plan)
+        preempted = _preemption_since(job)
         if preempted is not None:
             # torch's agent got the signal too: it passed it on, waited for the workers' checkpoint, then raised
-            return _stop_preempted(preempted, plan, tracker, outcome, rank=0)
+            return _stop_preempted(preempted, job, tracker, outcome, rank=0)
         from hydraddp.distributed.join import GroupNotFormedError
 
         if isinstance(exc, GroupNotFormedError):
-            return _group_not_formed(exc, plan, tracker, outcome)
+            return _group_not_formed(exc, job, tracker, outcome)
         attached = detect_launch_env()
         if attached is not None and isinstance(exc, Exception):
             # Attached (torchrun, srun), this process is the worker: its failure is a worker's (exit 1), not a
             # config Hydra could not compose, which is what Hydra's own exit 1 would be taken for.
             failed = WorkerFailedError(attached.rank, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-            return _worker_failed(failed, plan, tracker, outcome)
+            return _worker_failed(failed, job, tracker, outcome)
         if tracker:
             tracker.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED, error=repr(exc), timeout_s=flush_s)
         raise
     if result.get("preempted"):
-        return _stop_preempted(result["preempted"], plan, tracker, outcome, rank)
+        return _stop_preempted(result["preempted"], job, tracker, outcome, rank)
     if tracker:
         tracker.finish(FINISHED, timeout_s=flush_s)
         result["run_id"] = tracker.run_id
-    if plan.leads:  # under torchrun every rank gets here, on several nodes every launcher: one report is enough
+    if job.leads:  # under torchrun every rank gets here, on several nodes every launcher: one report is enough
         from hydraddp.train.preemption import retire_marker
 
-        retire_marker(plan.job_dir)  # a rerun in this directory starts afresh
-        (plan.job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
+        retire_marker(job.job_dir)  # a rerun in this directory starts afresh
+        (job.job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
         run = ""
         if tracker:  # a server that refused every request left no run: never "MLflow run None"
             run = (f" MLflow run {tracker.run_id} at {tracker.uri}." if tracker.run_id else
@@ -215,29 +215,29 @@ def _launch(plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
               f"{result['final_loss']:.4f}, {evaluated}, "
               f"{result['samples_per_s']:.0f} samples/s{_mfu(result.get('mfu'))}. Job directory: {result['job_dir']}.{run}",
               flush=True)
-    return _ended({**outcome, "status": "ok", **result}, plan.sweeping, EXIT_OK)
+    return _ended({**outcome, "status": "ok", **result}, job.sweeping, EXIT_OK)
 
 
-def _worker_failed(exc: Any, plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+def _worker_failed(exc: Any, job: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     """A worker failed (``WorkerFailedError``): the run is FAILED, and the launch exits 1, or 2 where the workers
     found the config invalid before training (a checkpoint root that not every node sees)."""
     from hydraddp.distributed import ConfigurationError
     from hydraddp.tracking.run import FAILED
 
     if tracker:
-        tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=plan.config["tracking"]["flush_timeout_s"])
+        tracker.finish(FAILED, error=f"{exc}\n\n{exc.traceback}", timeout_s=job.config["tracking"]["flush_timeout_s"])
     invalid = exc.error.startswith(f"{ConfigurationError.__name__}: ")
     if invalid:
         print(f"hydraddp: invalid configuration (rank {exc.rank}, before training):\n"
               f"{exc.error.split(': ', 1)[1]}", file=sys.stderr)
     else:
-        print(failure_block(exc, plan.job_dir / "logs" / f"rank{exc.rank}.log"), file=sys.stderr)
+        print(failure_block(exc, job.job_dir / "logs" / f"rank{exc.rank}.log"), file=sys.stderr)
     return _ended({**outcome, "status": "invalid" if invalid else "failed", "error": str(exc),
-                   "run_id": tracker.run_id if tracker else None}, plan.sweeping,
+                   "run_id": tracker.run_id if tracker else None}, job.sweeping,
                   EXIT_INVALID if invalid else EXIT_WORKER_FAILED)
 
 
-def _group_not_formed(exc: Any, plan: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+def _group_not_formed(exc: Any, job: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
     """Another rank refused to start, or never joined: one line and exit 1, no traceback (the cause is in that rank's
     log, not here)."""
     from hydraddp.tracking.run import FAILED
@@ -251,24 +251,24 @@ def _group_not_formed(exc: Any, plan: Any, tracker: Any, outcome: dict[str, Any]
     rank = getattr(detect_launch_env(), "rank", "?")
     print(f"hydraddp: rank {rank} stopped before training: {message}", file=sys.stderr, flush=True)
     if tracker:
-        tracker.finish(FAILED, error=message, timeout_s=plan.config["tracking"]["flush_timeout_s"])
+        tracker.finish(FAILED, error=message, timeout_s=job.config["tracking"]["flush_timeout_s"])
     return _ended({**outcome, "status": "failed", "error": message, "run_id": tracker.run_id if tracker else None},
-                  plan.sweeping, EXIT_WORKER_FAILED)
+                  job.sweeping, EXIT_WORKER_FAILED)
 
 
 def _mfu(mfu: float | None) -> str:
     return f" at {mfu:.1%} MFU" if mfu is not None else ""
 
 
-def _preemption_since(plan: Any) -> dict[str, Any] | None:
+def _preemption_since(job: Any) -> dict[str, Any] | None:
     """The preemption this launch's workers recorded, if they did (the marker has an entry more than at start)."""
     from hydraddp.train.preemption import checkpointed_preemptions
 
-    entries = checkpointed_preemptions(plan.job_dir)
-    return entries[-1] if len(entries) > plan.preemptions else None
+    entries = checkpointed_preemptions(job.job_dir)
+    return entries[-1] if len(entries) > job.preemptions else None
 
 
-def _stop_preempted(preempted: dict[str, Any], plan: Any, tracker: Any, outcome: dict[str, Any],
+def _stop_preempted(preempted: dict[str, Any], job: Any, tracker: Any, outcome: dict[str, Any],
                     rank: int) -> dict[str, Any]:
     """Every rank checkpointed the same step after a stop signal: the run is marked so (KILLED, with the
     ``hydraddp.preempted`` tag), then submitit requeues the job, or the launch exits with ``EXIT_PREEMPTED``."""
@@ -282,15 +282,15 @@ def _stop_preempted(preempted: dict[str, Any], plan: Any, tracker: Any, outcome:
         writer.tag(names.TAG_PREEMPTED, json.dumps(preempted))
         writer.close()
         tracker.finish(KILLED, error=f"preempted by {preempted['signal']} after step {preempted['step']}",
-                       timeout_s=plan.config["tracking"]["flush_timeout_s"])
+                       timeout_s=job.config["tracking"]["flush_timeout_s"])
     error = f"preempted at step {preempted['step']}"
     if submitit_task.in_task():  # requeued (this process ends), unless submitit will not requeue it again
         error += f"; {submitit_task.requeue(rank, EXIT_PREEMPTED)}"
-    if plan.leads:
+    if job.leads:
         print(f"hydraddp: stopped by {preempted['signal']} after step {preempted['step']}: every rank wrote checkpoint "
-              f"{preempted['checkpoint']}. Resume with the same command and hydra.run.dir={plan.job_dir} "
+              f"{preempted['checkpoint']}. Resume with the same command and hydra.run.dir={job.job_dir} "
               f"(or checkpoint.resume={preempted['checkpoint']}).", file=sys.stderr, flush=True)
-    return _ended({**outcome, "status": "preempted", "error": error}, plan.sweeping, EXIT_PREEMPTED)
+    return _ended({**outcome, "status": "preempted", "error": error}, job.sweeping, EXIT_PREEMPTED)
 
 
 LAST_FRAMES = 3

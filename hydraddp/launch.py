@@ -1,4 +1,4 @@
-"""One launch: the plan's resolved config goes to every rank through ``hydraddp.distributed.Parallel``."""
+"""One launch: the job's resolved config goes to every rank through ``hydraddp.distributed.Parallel``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 import hydraddp.distributed as idist
-from hydraddp.launch_plan import LaunchPlan, job_dir_from_agent
+from hydraddp.job import Job, job_dir_from_agent
 
 log = logging.getLogger(__name__)
 
@@ -105,25 +105,25 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
     )
 
 
-def launch(plan: LaunchPlan, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
-    """Run ``plan`` on all ranks. Returns the lowest global rank this process saw (0 when it spawned the workers or
+def launch(job: Job, events_path: Path | None = None) -> tuple[int, dict[str, Any]]:
+    """Run ``job`` on all ranks. Returns the lowest global rank this process saw (0 when it spawned the workers or
     is rank 0 under torchrun) and that rank's ``TrainResult``."""
-    parallel = parallel_for(plan.config)
-    results = parallel.run(worker, plan.config, str(plan.job_dir), str(events_path) if events_path else None,
-                           not parallel.spawns, plan.saved_config)
+    parallel = parallel_for(job.config)
+    results = parallel.run(worker, job.config, str(job.job_dir), str(events_path) if events_path else None,
+                           not parallel.spawns, job.saved_config)
     rank = min(results)
     return rank, results[rank]
 
 
-def plan_recording(plan: LaunchPlan) -> Any:
+def plan_recording(job: Job) -> Any:
     """The launch's plan for its MLflow run (``plan.record``; ``hydraddp.plan.record.Recording``), made beside the
     workers: forked where they are forked, so that it starts with torch imported; None for a wrap the simulated world
     does not run (DataParallel's replicas, Horovod's ranks)."""
     from hydraddp.plan.record import PLANNED_WRAPS, Recording
     from hydraddp.tracking.names import PLAN_FILE
 
-    if plan.wrap not in PLANNED_WRAPS:
+    if job.wrap not in PLANNED_WRAPS:
         return None
-    forked = idist.detect_launch_env() is None and idist.worker_start_method(plan.config["backend"]["name"]) == "fork"
-    return Recording(plan.saved_config, plan.world_size, plan.job_dir / PLAN_FILE, fork=forked)
+    forked = idist.detect_launch_env() is None and idist.worker_start_method(job.config["backend"]["name"]) == "fork"
+    return Recording(job.saved_config, job.world_size, job.job_dir / PLAN_FILE, fork=forked)
 

@@ -203,7 +203,7 @@ LAYERS = [("hydraddp.__main__", "hydraddp.cli", "hydraddp.sweep", "hydraddp.laun
            "hydraddp.plan", "hydraddp.kube", "hydraddp.clusters", "hydraddp.demo", "hydraddp.compare",
            "hydraddp.search.sweeper", "hydraddp.search.launch", "hydraddp.search.parent_run",
            "hydraddp.search.report"),
-          ("hydraddp.launch_plan", "hydraddp.preflight"),
+          ("hydraddp.job", "hydraddp.preflight"),
           ("hydraddp.build", "hydraddp.train", "hydraddp.search.trial", "hydraddp.search.space",
            "hydraddp.search.storage"),
           ("hydraddp.models",),

@@ -224,7 +224,7 @@ def test_inside_a_slurm_allocation_but_not_an_srun_step_it_launches_locally(tmp_
 
 
 def test_a_launch_resolves_its_config_once_and_the_cli_keeps_no_module_state(tmp_path):
-    """compose -> validate everything -> resolve once into a frozen LaunchPlan -> launch: the tracker and every worker
+    """compose -> validate everything -> resolve once into a frozen Job -> launch: the tracker and every worker
     read that one plan (counted in the launching process, the only one that may resolve)."""
     import os as _os
     import textwrap
@@ -234,12 +234,12 @@ def test_a_launch_resolves_its_config_once_and_the_cli_keeps_no_module_state(tmp
     script = tmp_path / "count.py"
     script.write_text(textwrap.dedent("""
         import atexit, os, sys
-        import hydraddp.launch_plan as launch_plan
-        calls, original, me = [], launch_plan.resolve, os.getpid()
+        import hydraddp.job as job_module
+        calls, original, me = [], job_module.resolve, os.getpid()
         def counted(cfg):
             calls.append(os.getpid())
             return original(cfg)
-        launch_plan.resolve = counted
+        job_module.resolve = counted
         atexit.register(lambda: os.getpid() == me and print(f"resolved {len(calls)} time(s)", file=sys.stderr))
         import runpy
         runpy.run_module("hydraddp", run_name="__main__", alter_sys=True)  # as python -m hydraddp

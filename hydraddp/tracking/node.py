@@ -66,7 +66,7 @@ def find_run(client: Any, experiment: str, job_dir: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def for_launch(plan: Any, tracker: Any) -> NodeTracker | None:
+def for_launch(job: Any, tracker: Any) -> NodeTracker | None:
     """This node's process, started, on every node but node 0 (whose ``tracker`` keeps the run) of a launch over
     several nodes. ``finish()`` it when the launch ended.
 
@@ -76,29 +76,29 @@ def for_launch(plan: Any, tracker: Any) -> NodeTracker | None:
     """
     from hydraddp.distributed.env import detect_launch_env
 
-    if not plan.config["tracking"]["enabled"] or tracker is not None:
+    if not job.config["tracking"]["enabled"] or tracker is not None:
         return None
     attached = detect_launch_env()
     if attached is None:
-        if plan.config["launcher"]["nnodes"] < 2:
+        if job.config["launcher"]["nnodes"] < 2:
             return None
-        node = NodeTracker(settings_for(plan, plan.config["launcher"]["node_rank"], plan.job_dir))
+        node = NodeTracker(settings_for(job, job.config["launcher"]["node_rank"], job.job_dir))
     else:
         if attached.nnodes < 2 or attached.local_rank != 0 or attached.node_rank == 0:
             return None
         node_dir = Path(tempfile.mkdtemp(prefix=f"hydraddp-node{attached.node_rank}-"))
         os.environ[NODE_DIR_ENV] = str(node_dir)  # read by this process's worker (``hydraddp.launch.worker``)
-        node = NodeTracker(settings_for(plan, attached.node_rank, node_dir), private_dir=node_dir)
+        node = NodeTracker(settings_for(job, attached.node_rank, node_dir), private_dir=node_dir)
     node.start()
     return node
 
 
-def settings_for(plan: Any, node: int, job_dir: Path) -> dict[str, Any]:
-    """A node process's settings, from the launch's plan on that node; ``job_dir`` is where it finds the node file."""
-    tracking = plan.config["tracking"]
+def settings_for(job: Any, node: int, job_dir: Path) -> dict[str, Any]:
+    """A node process's settings, from the launch's ``Job`` on that node; ``job_dir`` is where it finds the node file."""
+    tracking = job.config["tracking"]
     return {"uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(job_dir),
             "node": node, "system_metrics": dict(tracking["system_metrics"]),
-            "continued": bool(plan.resumes or tracking["run_id"]), "upload_timeout_s": tracking["flush_timeout_s"]}
+            "continued": bool(job.resumes or tracking["run_id"]), "upload_timeout_s": tracking["flush_timeout_s"]}
 
 
 class NodeTracker:

@@ -300,7 +300,7 @@ def _complete(tmp: Path, final: Path, meta: dict[str, Any], root: Path, keep_las
 def _publish(tmp: Path, final: Path, launch: str | None) -> None:
     """Rename the complete ``tmp`` to ``final``: atomic, so a reader sees the whole checkpoint or none of it. A step
     this launch wrote before (a restart, a requeue or a rerun in the same job directory redoing it) is replaced;
-    another launch's is never touched (``launch_plan`` refuses such a launch before it starts)."""
+    another launch's is never touched (``hydraddp.job`` refuses such a launch before it starts)."""
     if final.exists():
         if written_by(final) != launch:
             raise CheckpointError(f"{final} exists, written by another launch ({written_by(final)}); this launch "

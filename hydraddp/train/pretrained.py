@@ -10,7 +10,7 @@ PATH is either
   in a new MLflow run tagged ``hydraddp.pretrained``.
 
 The launch checks PATH against the model of the config (``models.of_config``), on the meta device, before any worker
-starts (``launch_plan.model_problems``, with ``mismatch``); the workers load it after wrapping (``load``), where a
+starts (``preflight.model.model_problems``, with ``mismatch``); the workers load it after wrapping (``load``), where a
 resume would have loaded a checkpoint instead.
 """
 

@@ -76,7 +76,7 @@ def test_rank_0_knows_a_restart_by_the_attempts_the_agent_counts_whatever_direct
     test_elastic's, show the rest: one MLflow run, every step once.)"""
     from torch.distributed import TCPStore
 
-    from hydraddp.launch_plan import job_dir_after_restart
+    from hydraddp.job import job_dir_after_restart
     from hydraddp.tracking import names
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -3,7 +3,7 @@ run with every default on (the plan's measured step, MLflow tracking with the Lo
 
 A row finishes with finite losses and a FINISHED run, or is refused before it trains by a rule the README states
 (exit 2 in a launch); a stop-and-resume row ends where the same row without the stop ends. The cheap way: each row
-is planned as a launch plans it (``launch_plan.prepare``: every check, the resume found, the run to continue), its
+is decided as a launch decides it (``job.prepare``: every check, the resume found, the run to continue), its
 ranks run ``train()`` on reused workers of its backend (2 gloo ranks, 2 Horovod ranks, or one process for
 backend=none) as a launch's workers do, and its MLflow run is kept by the tracker's own ``LaunchRun`` from the
 events rank 0 wrote. The launches themselves are tested elsewhere."""
@@ -152,7 +152,7 @@ class Launches:
 
     def plan(self, name: str, overrides: list[str], job_dir: Path):
         from hydraddp.config.compose import compose
-        from hydraddp.launch_plan import prepare
+        from hydraddp.job import prepare
         from hydraddp.preflight import claim
 
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ class Launches:
             claim.release()
 
     def run(self, planned: dict) -> dict:
-        """``planned``: name -> LaunchPlan. Each one's ranks on its backend's workers, then each one's run, as its
+        """``planned``: name -> Job. Each one's ranks on its backend's workers, then each one's run, as its
         tracker keeps it."""
         outcomes = {}
         for pool in dict.fromkeys(POOLS.values()):

@@ -1,6 +1,6 @@
 """One launch, decided before anything starts: the composed config is checked whole, once (``preflight.check``: its
 combination, ranges, model, the checkpoint it resumes and the tracking server included), then resolved once into a
-frozen ``LaunchPlan``. The tracker and every worker read that one object; nothing resolves or validates the config
+frozen ``Job``. The tracker and every worker read that one object; nothing resolves or validates the config
 again."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hydraddp.tracking import names
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class Job:
     """What one launch runs, and where. ``config`` is resolved (``backend=auto`` decided); treat it as read-only."""
 
     config: dict[str, Any]
@@ -138,8 +138,8 @@ def started_at(sweeping: bool, job_num: int) -> float:
 
 
 def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool, job_num: int,
-            remove_untouched) -> LaunchPlan | list[Problem]:
-    """Validate ``cfg`` whole, then plan the launch; or every problem found, each with its keys and the fix.
+            remove_untouched) -> Job | list[Problem]:
+    """Validate ``cfg`` whole, then decide the launch; or every problem found, each with its keys and the fix.
 
     ``cfg`` is completed in place first: ``backend=auto`` decided, and the checkpoint a resume starts from, with
     the MLflow run it continues.
@@ -163,7 +163,7 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     mesh = realized_mesh(MeshShape.of(cfg.mesh), wrap, combo.world_size)
     secrets = frozenset(redaction.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
     config = resolve(cfg)
-    return LaunchPlan(
+    return Job(
         config=config, saved_config=redaction.redact(config, secrets), secret_paths=secrets, job_dir=job_dir,
         overrides=tuple(overrides), sweeping=sweeping, wrap=wrap, world_size=combo.world_size,
         mesh=mesh.describe() if mesh is not None else None,
