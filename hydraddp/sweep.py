@@ -144,7 +144,7 @@ class SweepSummary(Callback):
         from hydraddp.tracking.names import SWEPT_KEYS_ENV, swept_keys
 
         os.environ[SWEPT_KEYS_ENV] = json.dumps(swept_keys(config.hydra.overrides.task))  # names the jobs' runs
-        from hydraddp.tracking.run import preflight
+        from hydraddp.tracking.server import preflight
         from hydraddp.tracking.sweep_run import SweepRun
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
 

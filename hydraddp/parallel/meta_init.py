@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hydraddp.parallel.meta_record import NotReplayable, View, record
+from hydraddp.parallel.meta_scratch import GeneratorStates, NoMetaOperands, Scratch
 from hydraddp.parallel.meta_steps import HFStep, InitRecord, ModuleRecord, describe, own_tensors, resolve
 
 __all__ = ["InitReplay", "NotReplayable", "build_on_meta", "replay_of", "shared_tensors"]
@@ -205,56 +204,6 @@ def _store(module: nn.Module, name: str, target: torch.Tensor, value: torch.Tens
             module._buffers[name] = value.to(device, target.dtype)
 
 
-class _NoMetaOperands(TorchDispatchMode):
-    """Flags an operation on a meta tensor: a step that reaches a tensor of another (not materialized) module."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.touched_meta = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args, kwargs or {}))):
-            self.touched_meta = True
-        return func(*args, **(kwargs or {}))
-
-
-class _Scratch:
-    """One CPU buffer that the dry run's temporary storages are views of, module after module. Thousands of
-    short-lived module-sized tensors, freed between the small allocations the dry run keeps (the generator states),
-    leave glibc's heap fragmented: measured, up to 0.9 GB of a 1.6 GB model stayed resident on a rank after they
-    were all freed."""
-
-    ALIGN = 64  # every dtype's size divides it: a view of any dtype starts on an element
-
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-
-    @classmethod
-    def nbytes_for(cls, storages: list[int]) -> int:
-        return sum(-(-n // cls.ALIGN) * cls.ALIGN for n in storages)
-
-    def bases(self, storages: list[int]) -> list[torch.Tensor]:
-        """One region per storage, filled with 0xFF bytes: NaN in every floating dtype."""
-        bases, used = [], 0
-        for nbytes in storages:
-            bases.append(self.buffer[used:used + nbytes].fill_(0xFF))
-            used += -(-nbytes // self.ALIGN) * self.ALIGN
-        return bases
-
-
-class _States:
-    """The generator's state before each step; one tensor for consecutive steps between which nothing drew."""
-
-    def __init__(self) -> None:
-        self.last: torch.Tensor | None = None
-
-    def now(self) -> torch.Tensor:
-        state = torch.get_rng_state()
-        if self.last is None or not torch.equal(state, self.last):
-            self.last = state
-        return self.last
-
-
 class _Coverage:
     """Which elements of each module tensor some step wrote (the union over steps): a floating tensor is filled with
     NaN, which a step that writes nothing (or ``mul_`` alone) leaves; an integer or bool one is run twice, from the
@@ -308,16 +257,16 @@ def _lowest_highest(dtype: torch.dtype) -> tuple[bool | int, bool | int]:
 def _dry_run(record: InitRecord) -> None:
     """Every step once, in the whole build's order from the generator's state now, on temporary storages of one
     module at a time: records each step's generator state, and refuses what no step sets."""
-    scratch = _Scratch(max((_Scratch.nbytes_for(r.storages) for r in record.records.values()), default=0))
-    coverage, states = _Coverage(), _States()
+    scratch = Scratch(max((Scratch.nbytes_for(r.storages) for r in record.records.values()), default=0))
+    coverage, states = _Coverage(), GeneratorStates()
     for name, group in itertools.groupby(record.order, key=lambda item: item[0]):
         _dry_run_module(name, record.records[name], record.modules.get(name), [s for _, s in group], scratch,
                         coverage, states)
     coverage.refuse_uncovered(record)
 
 
-def _dry_run_module(name: str, recorded: ModuleRecord, module: nn.Module | None, steps: list, scratch: _Scratch,
-                    coverage: _Coverage, states: _States) -> None:
+def _dry_run_module(name: str, recorded: ModuleRecord, module: nn.Module | None, steps: list, scratch: Scratch,
+                    coverage: _Coverage, states: GeneratorStates) -> None:
     """One run of consecutive steps of one module (twice, with its integer tensors filled low then high)."""
     integral = [t for t, (_, view) in recorded.tensors.items() if not view.is_floating]
     start, end, low = torch.get_rng_state(), None, {}
@@ -328,7 +277,7 @@ def _dry_run_module(name: str, recorded: ModuleRecord, module: nn.Module | None,
         views = recorded.views(bases)
         for tensor_name in integral:
             views[tensor_name].fill_(_lowest_highest(views[tensor_name].dtype)[fill])
-        watch = _NoMetaOperands()
+        watch = NoMetaOperands()
         with _installed(module, views, own), watch, torch.no_grad(), _failures_named(name, recorded.cls):
             for step in steps:
                 if fill == 0 and recorded.cls is not None:
@@ -396,7 +345,7 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitRepl
 def _any_unwritten(value: torch.Tensor) -> bool:
     """Whether a floating tensor still holds its NaN fill somewhere: ``amax`` propagates NaN, in one pass that
     allocates nothing (a mask as large as the tensor, freed between the generator states the dry run keeps, would
-    fragment the heap as module-sized tensors do: see ``_Scratch``)."""
+    fragment the heap as module-sized tensors do: see ``Scratch``)."""
     if value.numel() == 0:
         return False
     return bool(torch.isnan((torch.view_as_real(value) if value.is_complex() else value).amax()))

@@ -1,7 +1,6 @@
 """One MLflow run per launch, driven from the tracker process (``hydraddp.tracking.process``).
 
-``preflight`` checks the server without importing mlflow, before any worker starts. ``start`` imports
-mlflow and creates (or continues) the run in a background thread while the workers start, then tails
+``start`` imports mlflow and creates (or continues) the run in a background thread while the workers start, then tails
 the events file into the run in batches. ``finish`` flushes what is left, uploads the artifacts and sets
 the status the launch really ended with. A server that goes away is retried; if it never comes back the
 events stay in the job directory with the command that imports them.
@@ -14,15 +13,13 @@ import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hydraddp.tracking import names, ui
-from hydraddp.tracking.client import mlflow_client, sqlite_path
+from hydraddp.tracking.client import mlflow_client
 from hydraddp.tracking.events import EVENTS_FILE, read_events
 from hydraddp.tracking.node import upload_node_logs
 from hydraddp.tracking.per_rank import PerRankTable
@@ -38,69 +35,6 @@ PLAN_CHECKED_KEYS = frozenset(names.PLAN_CHECKED.values())
 # sent again); what it cannot log for good it logs as a warning and returns.
 RECORD_HANDLERS = {"input": ("hydraddp.tracking.inputs", "log_input"),
                    "model": ("hydraddp.tracking.logged_model", "log_model")}
-
-
-def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
-    """Why ``uri`` cannot be used, or None. An HTTP server must answer /health and serve its API to us; a file store
-    must be writable."""
-    if uri.startswith(("http://", "https://")):
-        base = uri.rstrip("/")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=timeout_s) as response:
-                if response.status != 200:
-                    return f"the MLflow server at {uri} answered /health with HTTP {response.status}"
-        except urllib.error.HTTPError as exc:
-            return f"the MLflow server at {uri} answered /health with HTTP {exc.code}"
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            return f"the MLflow server at {uri} cannot be reached ({reason})"
-        return _api_refusal(base, timeout_s)
-    path = sqlite_path(uri) or (uri.removeprefix("file://") if uri.startswith("file://") else None)
-    if path is not None:
-        folder = Path(path).parent if uri.startswith("sqlite:") else Path(path)
-        while not folder.exists():
-            folder = folder.parent
-        if not os.access(folder, os.W_OK):
-            return f"the MLflow store {uri} is not writable ({folder})"
-    return None
-
-
-# Why a server that is up refuses its API, by status, and what fixes it (MLflow 3's server checks the Host header).
-REFUSAL_FIXES = {
-    401: "give MLflow's credentials (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN)",
-    403: "start the server with --allowed-hosts naming the host and port in tracking.uri (MLflow 3 accepts only "
-         "localhost and private addresses by default), or give credentials that may use it",
-    404: "tracking.uri must be where the server serves MLflow's API: http://HOST:PORT, plus the server's "
-         "--static-prefix if it has one",
-}
-
-
-def _api_refusal(base: str, timeout_s: float) -> str | None:
-    """Why the server at ``base``, whose /health answered, refuses MLflow's API, or None. /health is exempt from the
-    server's Host check and from authentication: a launch would train, and log nothing."""
-    request = urllib.request.Request(f"{base}/api/2.0/mlflow/experiments/search?max_results=1",
-                                     headers=_auth_headers())
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError as exc:
-        said = " ".join(exc.read(300).decode(errors="replace").split()) or exc.reason
-        fix = REFUSAL_FIXES.get(exc.code)
-        return (f"the MLflow server at {base} answers /health but refuses its API with HTTP {exc.code}: {said!r}"
-                + (f"; {fix}" if fix else ""))
-    except (urllib.error.URLError, OSError) as exc:
-        return f"the MLflow server at {base} answers /health but not its API ({getattr(exc, 'reason', exc)})"
-
-
-def _auth_headers() -> dict[str, str]:
-    """The credentials MLflow's client sends (``mlflow.utils.rest_utils``), from the same variables."""
-    import base64
-
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-    if user and password:
-        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
-    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class LaunchRun:

@@ -12,7 +12,7 @@ from hydraddp import redaction
 from hydraddp.tracking import names
 from hydraddp.tracking.client import default_uri
 from hydraddp.tracking.process import TrackerProcess
-from hydraddp.tracking.run import preflight
+from hydraddp.tracking.server import preflight
 
 PARENT_RUN_ENV = "HYDRADDP_PARENT_RUN_ID"  # set by a sweep for its jobs
 
