@@ -285,7 +285,7 @@ def _stop_preempted(preempted: dict[str, Any], job: Any, tracker: Any, outcome: 
                        timeout_s=job.config["tracking"]["flush_timeout_s"])
     error = f"preempted at step {preempted['step']}"
     if submitit_task.in_task():  # requeued (this process ends), unless submitit will not requeue it again
-        error += f"; {submitit_task.requeue(rank, EXIT_PREEMPTED)}"
+        error += f"; {submitit_task.requeue(rank, EXIT_PREEMPTED, preempted['signal'])}"
     if job.leads:
         print(f"hydraddp: stopped by {preempted['signal']} after step {preempted['step']}: every rank wrote checkpoint "
               f"{preempted['checkpoint']}. Resume with the same command and hydra.run.dir={job.job_dir} "

@@ -70,15 +70,23 @@ def attach() -> None:
 REQUEUE_WAIT_S = 30.0
 
 
-def requeue(rank: int, exit_code: int) -> str:
+def requeue(rank: int, exit_code: int, stop_signal: str) -> str:
     """After a preemption checkpoint: rank 0 asks submitit to requeue the job (its handler exits this process), and
     returns only when submitit will not (a job that timed out ``max_num_timeout`` times): why, for the launch's
     outcome, which then ends as a preempted launch (its checkpoint resumes). The other ranks exit with ``exit_code``;
     on Slurm only once the requeue stopped them, or after ``REQUEUE_WAIT_S``: a task that ended first, non-zero, could
     end the job FAILED before rank 0's `scontrol requeue` (seen on a real Slurm: the submitting side then read the job
     FAILED and raised). submitit's own handler leaves them running for the same reason ("it might kill the master
-    task")."""
+    task").
+
+    Slurm's own SIGTERM (an outside `scontrol requeue`, a preemption, `scancel`, the end of the time limit) is not
+    answered with a requeue: Slurm is ending this attempt itself, and requeues the job when it is to come back. Asking
+    again raced it on a real Slurm ("Job is pending execution"), and the error, returned as the task's result, made
+    the submitting side report a failure while the job's next attempt trained on. The attempt ends as submitit's own
+    requeue ends it, with no result."""
     if rank == 0:
+        if stop_signal == "SIGTERM" and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+            _end_attempt("Slurm stopped the job (SIGTERM); it requeues the job itself if the job is to come back")
         import signal
 
         from submitit import JobEnvironment
@@ -100,18 +108,22 @@ def requeue(rank: int, exit_code: int) -> str:
     sys.exit(exit_code)
 
 
+def _end_attempt(why: str) -> NoReturn:
+    """End this attempt of the job as submitit's requeue ends it: no result for the submitting side to read."""
+    print(f"hydraddp: {why}: this attempt ends, and the next one resumes from its checkpoint", file=sys.stderr,
+          flush=True)
+    sys.exit(-1)
+
+
 def _requeue_refused(exc: Exception) -> str:
-    """Slurm refused rank 0's `scontrol requeue`. When it did because it requeued the job itself ("Job is pending
-    execution": the SIGTERM was its own, of an outside `scontrol requeue` or of a preemption that requeues), this
-    attempt ends as submitit's requeue ends it, with no result: seen on a real Slurm, the error returned as the task's
-    result made the submitting side report the job failed while its next attempt trained on. Otherwise (a cancelled
-    job) the launch ends preempted, saying why; its checkpoint resumes."""
-    state = subprocess.run(["squeue", "-h", "-j", os.environ.get("SLURM_JOB_ID", ""), "-o", "%T"],
-                           capture_output=True, text=True, check=False).stdout.strip()
-    if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
-        print(f"hydraddp: Slurm requeued job {os.environ.get('SLURM_JOB_ID')} itself (it is {state}): this attempt "
-              "ends, the next one resumes", file=sys.stderr, flush=True)
-        sys.exit(-1)  # as submitit's own handler exits after its requeue
+    """Slurm refused rank 0's `scontrol requeue` (after a USR signal). When the job is already on its way back or out
+    (Slurm requeued or is ending it), this attempt ends with no result; otherwise (requeues disabled) the launch ends
+    preempted, saying why, and its checkpoint resumes."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                           check=False).stdout.strip()
+    if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "COMPLETING"):
+        _end_attempt(f"Slurm refused the requeue of job {job}, which is {state}")
     return f"Job not requeued: `scontrol requeue` failed ({exc}) and the job is {state or 'gone'}"
 
 
