@@ -126,4 +126,3 @@ def plan_recording(job: Job) -> Any:
         return None
     forked = idist.detect_launch_env() is None and idist.worker_start_method(job.config["backend"]["name"]) == "fork"
     return Recording(job.saved_config, job.world_size, job.job_dir / PLAN_FILE, fork=forked)
-

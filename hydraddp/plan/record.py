@@ -21,6 +21,7 @@ from typing import Any
 
 PLANNED_WRAPS = ("none", "ddp", "fsdp", "fsdp2")  # what the simulated world runs (not DataParallel, not Horovod)
 
+
 def _idle_priority() -> None:
     """``SCHED_IDLE`` (Linux): this process runs only on a core no rank wants, and a rank that wakes from a
     collective takes the core back at once. (What once slowed the ranks by several percent was the tracker's own
