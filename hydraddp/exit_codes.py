@@ -1,4 +1,4 @@
-"""The contract's exit codes, in one place (README, "Exit codes"): every entry point and the training loop use these."""
+"""The contract's exit codes, in one place (docs/reference/cli.md): every entry point and the training loop use these."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import (NO_PLAN, REPO, UNTRACKED, interrupt_when, job_dirs, rendezvous_port, run_cli,
                                  run_process, run_together)
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", NO_PLAN]
 UNTRACKED_QUICK = [*QUICK, UNTRACKED]  # for what the tracker is no part of; the sweep below is tracked

@@ -8,7 +8,7 @@ import yaml
 
 from tests.helpers.spawn import REPO
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 
 def test_installed_wheel_composes_the_config(tmp_path):

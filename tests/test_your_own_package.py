@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.spawn import REPO, job_dirs, run_cli
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 PACKAGE = {
     "mypkg/__init__.py": "",

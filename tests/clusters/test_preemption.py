@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers.spawn import NO_MODEL, NO_PLAN, interrupt_when, job_dirs, run_cli, run_process
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 STEPS = ["trainer.max_steps=200", "trainer.log_every=10", "trainer.eval_every=0", "checkpoint.save_last=true", NO_PLAN,
          NO_MODEL]

@@ -14,7 +14,7 @@ import pytest
 from tests.clusters.test_preemption import run_of
 from tests.helpers.spawn import NO_MODEL, NO_PLAN, UNTRACKED, run_cli
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra: pip install 'hydraddp[slurm]'")
 

@@ -11,7 +11,7 @@ import hydraddp.distributed as idist
 from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import REPO, interrupt_when, rendezvous_port, run_parallel, run_process, run_together
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, one command, on a GPU machine from a fresh checkout: the GPU tests, the headline command as the
-# README writes it, and benchmarks/gpu_bench.py (which writes benchmarks/RESULTS-gpu.md naming its commit).
+# documentation writes it, and benchmarks/gpu_bench.py (which writes benchmarks/RESULTS-gpu.md naming its commit).
 #   bash tests/gpu/run.sh
 # Offline, on a machine whose python3 already has a CUDA build of torch (the lent H200's image): fill the wheel
 # folder here first (bash scripts/gpu_wheels.sh), carry wheels/gpu along, and this script installs hydraddp's few

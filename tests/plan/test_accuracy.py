@@ -9,7 +9,7 @@ import pytest
 from hydraddp.config.compose import compose
 from hydraddp.plan.estimate import estimate
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 STEPS = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false",
          "backend=gloo", "launcher.nproc_per_node=2"]

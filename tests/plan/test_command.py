@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.spawn import run_process
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 GPT = ["model=gpt", "data=text", "task=causal_lm", "data.batch_size=32", "backend=gloo", "launcher.nproc_per_node=2"]
 

@@ -18,7 +18,7 @@ from hydraddp.tracking.per_rank import PerRankTable
 from tests.helpers.spawn import run_cli, run_process
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = ["run", "id", "wrap", "precision", "world", "samples/s", "max", "rank", "p+g+o", "MiB", "peak", "mem", "MiB",

@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers.spawn import NO_MODEL, NO_PLAN, job_dirs, run_cli
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 BASE = ["trainer.log_every=1", "trainer.eval_every=0", "trainer.max_steps=12", "checkpoint.every_n_steps=5", NO_PLAN]
 

@@ -21,7 +21,7 @@ from hydraddp.train import inputs
 from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
 from tests.tracking.test_mlflow import QUICK, tracked
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 DIGITS = "hydraddp.data.digits.digits"
 

@@ -17,7 +17,7 @@ from hydraddp.train.logged_model import model_folder
 from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
 from tests.tracking.test_mlflow import QUICK, tracked
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 STEPS = 12  # QUICK's trainer.max_steps
 

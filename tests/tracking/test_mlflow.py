@@ -20,7 +20,7 @@ from hydraddp.tracking import names
 from tests.helpers.mlflow_server import MlflowServer
 from tests.helpers.spawn import NO_MODEL, NO_PLAN, assert_no_orphans, child_env, interrupt_when, job_dirs, run_cli, run_process
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0"]
 TAGS = ("hydraddp.backend", "hydraddp.wrap", "hydraddp.precision", "hydraddp.offload", "hydraddp.world_size")

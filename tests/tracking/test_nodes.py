@@ -13,7 +13,7 @@ from hydraddp.tracking import names
 from tests.helpers.spawn import NO_PLAN, rendezvous_port, run_together
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 SECRET = "hunter2-do-not-show"
 

@@ -25,7 +25,7 @@ from hydraddp.tracking.per_rank import (LOGGED_ARTIFACTS_TAG, STEP_SUFFIX, STRAG
 from hydraddp.tracking.process import TrackerProcess
 from hydraddp.tracking.run import SENT_OFFSET_FILE, LaunchRun, sync
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 WORLD, LOG_EVERY = 512, 4
 PER_RANK_KEY = re.compile(r".+/rank\d+")

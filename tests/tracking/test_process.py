@@ -13,7 +13,7 @@ import pytest
 from hydraddp.tracking.process import TrackerProcess
 from hydraddp.tracking.run import KILLED
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 
 def test_the_tracker_runs_at_nice_19_in_the_launchers_session_but_not_its_process_group(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.spawn import NO_MODEL, job_dirs, run_cli
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 QUICK = ["trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=0"]
 

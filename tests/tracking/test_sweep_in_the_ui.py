@@ -24,7 +24,7 @@ from tests.helpers.browser import chromium, new_page, screenshot
 from tests.helpers.spawn import child_env, run_cli
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 CHILDREN = {"ddp-fp32": ("ddp", "fp32"), "ddp-bf16": ("ddp", "bf16"), "fsdp2-fp32": ("fsdp2", "fp32"),
             "fsdp2-bf16": ("fsdp2", "bf16")}

@@ -14,7 +14,7 @@ import torch
 from tests.helpers.spawn import (NO_MODEL, NO_PLAN, UNTRACKED, assert_no_orphans, child_env, job_dirs, run_cli,
                                  run_process, sigkill_rank_when_logged, wait_for_published_checkpoint)
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 # Every claimed Python runs the tests marked so (scripts/pythons.sh): a stop and resume, the reshards, the export and
 # the refusals. What a checkpoint index holds depends on the Python that pickled it; how a killed process leaves its
 # checkpoint does not.

@@ -5,7 +5,7 @@ import pytest
 
 from tests.helpers.spawn import NO_PLAN, UNTRACKED, run_cli
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.spawn import job_dirs, run_cli
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 pytest.importorskip("transformers", reason="the models extra: pip install 'hydraddp[models]'")
 

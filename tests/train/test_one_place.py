@@ -14,7 +14,7 @@ from tests.helpers.spawn import (assert_no_orphans, child_env, job_dirs, rendezv
                                  sigkill_rank_when_logged, wait_for_published_checkpoint)
 from tests.train.test_checkpoint import export, losses, max_diff
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 BASE = ["optim=sgd", "trainer.log_every=1", "trainer.eval_every=0", "tracking.enabled=false"]
 

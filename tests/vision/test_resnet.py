@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli, run_parallel
 
-pytestmark = pytest.mark.slow  # launches for real: see README, Tests
+pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
 
 try:
     from hydraddp.models.vision import _torchvision
