@@ -40,14 +40,14 @@ def prepare_argv(argv: list[str]) -> list[str]:
     - ``--local_rank=N`` / ``--local-rank=N`` (torch.distributed.launch) is dropped: the rank is in the env.
     - Ranks other than 0 under torchrun/SLURM write no job directory of their own; they adopt rank 0's.
     - ``experiment=NAME`` is spelled as Hydra needs it (see ``normalize_overrides``).
-    - In a Kubeflow PyTorchJob pod, the operator's variables are the defaults of ``launcher.*`` (``kube.pod_overrides``).
+    - In a Kubeflow PyTorchJob pod, the operator's variables are the defaults of ``launcher.*`` (``pytorchjob.pod_overrides``).
     - A submitit launcher runs one launch as a sweep of one job (``hydraddp.clusters.submitit.prepare_argv``).
     """
-    from hydraddp.clusters import kube
+    from hydraddp.clusters import pytorchjob
     from hydraddp.clusters import submitit as submitit_launch
 
     argv = normalize_overrides([a for a in argv if not re.fullmatch(r"--local[_-]rank(=\d+)?", a)])
-    argv = [*argv, *kube.pod_overrides(os.environ, argv[1:])]
+    argv = [*argv, *pytorchjob.pod_overrides(os.environ, argv[1:])]
     argv = submitit_launch.prepare_argv(argv)
     launch = detect_launch_env()
     if launch is not None and launch.rank != 0:

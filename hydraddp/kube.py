@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     import yaml
 
-    from hydraddp.clusters.kube import manifest
+    from hydraddp.clusters.pytorchjob import manifest
 
     try:
         job = manifest(cfg, overrides, image=args.image, name=args.name, namespace=args.namespace,

@@ -145,7 +145,7 @@ class SweepSummary(Callback):
 
         os.environ[SWEPT_KEYS_ENV] = json.dumps(swept_keys(config.hydra.overrides.task))  # names the jobs' runs
         from hydraddp.tracking.server import preflight
-        from hydraddp.tracking.sweep_run import SweepRun
+        from hydraddp.tracking.sweep_parent import SweepRun
         from hydraddp.tracking.setup import PARENT_RUN_ENV, tracking_uri
 
         from omegaconf import OmegaConf

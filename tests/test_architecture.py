@@ -203,7 +203,7 @@ def test_the_core_imports_nothing_of_hydra_omegaconf_or_mlflow():
 LAYERS = [("hydraddp.__main__", "hydraddp.cli", "hydraddp.sweep", "hydraddp.launch", "hydraddp.export",
            "hydraddp.plan", "hydraddp.kube", "hydraddp.clusters", "hydraddp.demo", "hydraddp.compare",
            "hydraddp.search.sweeper", "hydraddp.search.launch", "hydraddp.search.parent_run",
-           "hydraddp.search.report", "hydraddp.tracking.compare", "hydraddp.tracking.sweep_run",
+           "hydraddp.search.report", "hydraddp.tracking.comparison", "hydraddp.tracking.sweep_parent",
            "hydraddp.tracking.sync"),
           # the judgement of a config, and a launch's MLflow run beside it
           ("hydraddp.job", "hydraddp.preflight", "hydraddp.config.compose", "hydraddp.config.schema",

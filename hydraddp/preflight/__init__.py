@@ -2,13 +2,15 @@
 
 ``check`` runs every check a launch needs, in order, and returns a ``Verdict``: the config's settings and its
 combination of backend, wrap, precision and offload against this machine (``config``, applying ``parallel``'s rules,
-which ``auto_model`` applies again in a worker); the tasks a cluster launcher started (``launch``); the checkpoint a
-resume starts from, ``model.pretrained``, the meta-device replay and the TP plan (``model``); the tracking server;
-and another launch's checkpoints in the same root, or another launch writing there now (``claim``). The launch plan
-calls it once; ``python -m hydraddp.plan`` asks ``config_problems``, the same checks without a job directory.
+which ``auto_model`` applies again in a worker); the tasks a cluster launcher started and the tracking server
+(``environment``); the checkpoint a resume starts from, ``model.pretrained``, the meta-device replay and the TP plan
+(``model``); and another launch's checkpoints in the same root, or another launch writing there now (``claim``). The
+launch's ``Job`` (``hydraddp.job``) calls it once; ``python -m hydraddp.plan`` asks ``config_problems``, the same
+checks without a job directory.
 
-``cfg`` is completed in place: ``backend=auto`` and ``launcher.nproc_per_node=auto`` decided, a pretrained directory's sizes, and the checkpoint a resume
-(or a preempted job's relaunch) starts from, with the MLflow run it continues.
+``cfg`` is completed in place: ``backend=auto`` and ``launcher.nproc_per_node=auto`` decided, a pretrained
+directory's sizes, and the checkpoint a resume (or a preempted job's relaunch) starts from, with the MLflow run it
+continues.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from omegaconf import DictConfig
 
 from hydraddp.parallel.combinations import Combination, Problem
 from hydraddp.preflight.config import combination_of, complete, nproc_problems, problems
-from hydraddp.preflight.launch import attached_problems, checkpoint_root_problems, tracking_problems
+from hydraddp.preflight.environment import attached_problems, checkpoint_root_problems, tracking_problems
 from hydraddp.preflight.model import model_problems, pretrained_problems, resume_after_preemption, resume_problems
 
 

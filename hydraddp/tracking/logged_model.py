@@ -1,6 +1,6 @@
 """The trained model as an MLflow LoggedModel of the launch's run: the tracker's handler of ``model`` events.
 
-The ranks (``hydraddp.train.logged_model``) leave either a full state dict and an input example in
+The ranks (``hydraddp.train.model_snapshot``) leave either a full state dict and an input example in
 ``<job dir>/model/step_NNNNNNNN/``, or, above ``tracking.model.max_copy_mb``, the path of a DCP checkpoint. The first
 becomes ``mlflow.pytorch.log_model`` of the bare model the config builds, with a signature; the second an external
 LoggedModel (``mlflow.create_external_model``) whose tags say where the weights are and how to export them. Both are
@@ -143,7 +143,7 @@ def _log(run: Any, payload: dict[str, Any], folder: Path, model: Any) -> str:
     if model is None:  # above tracking.model.max_copy_mb: the checkpoint holds the weights
         checkpoint = payload["checkpoint"]
         tags.update({TAG_CHECKPOINT: checkpoint, TAG_LOAD: f"python -m hydraddp.export {checkpoint} OUT.pt"})
-        if payload.get("hf_export"):  # a transformers model, exported beside it (hydraddp.train.logged_model)
+        if payload.get("hf_export"):  # a transformers model, exported beside it (hydraddp.train.model_snapshot)
             tags.update({TAG_HF_EXPORT: payload["hf_export"],
                          TAG_LOAD: f"transformers.AutoModelForCausalLM.from_pretrained({payload['hf_export']!r})"})
         model_id = mlflow.create_external_model(**common, tags=tags).model_id

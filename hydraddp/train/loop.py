@@ -30,7 +30,7 @@ from hydraddp.search.trial import TAG_PRUNED, TAG_PRUNED_STEP, TRIAL_ENV, TrialR
 from hydraddp.search.trial import describe as describe_trial
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data, inputs, logged_model, preemption, pretrained, resume, rng, tasks
+from hydraddp.train import checkpoint, data, inputs, model_snapshot, preemption, pretrained, resume, rng, tasks
 from hydraddp.train.logs import ConsoleHandler
 from hydraddp.train.metrics import StepLog, TensorPeak, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
@@ -394,7 +394,7 @@ def _finish(loop: _Loop, batch: Any) -> TrainResult:
         events.metrics({**names.eval_metrics(result.eval_metrics),
                         **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)
     if cfg.tracking.enabled and cfg.tracking.model.enabled:
-        logged_model.record_model(cfg, parts.model, batch if last_step > loop.start_step else None,  # None: no step
+        model_snapshot.record_model(cfg, parts.model, batch if last_step > loop.start_step else None,  # None: no step
                                   last_step, events, loop.job_dir, loop.saver)
     log.info("done: loss %.4f, eval %s", result.final_loss, _shown(result.eval_metrics))
     return result

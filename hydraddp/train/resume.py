@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from hydraddp.models.hf import config_dict
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter
-from hydraddp.train import checkpoint, logged_model
+from hydraddp.train import checkpoint, model_snapshot
 
 log = logging.getLogger("hydraddp.train.loop")
 
@@ -89,7 +89,7 @@ class Saver:
         # The last step's model is recorded after the final evaluation instead, with its metrics (loop.train).
         if periodic and step != last_step and self.root is not None and tracking.enabled and tracking.model.enabled \
                 and tracking.model.every_checkpoint:
-            logged_model.record_model(self.cfg, self.model, batch, step, self.events, self.job_dir, self)
+            model_snapshot.record_model(self.cfg, self.model, batch, step, self.events, self.job_dir, self)
 
     def wait(self) -> None:
         """Finish the checkpoint being written in the background, if any (rank 0 publishes it; what failed on any

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from hydraddp.clusters.kube import pod_overrides
+from hydraddp.clusters.pytorchjob import pod_overrides
 from tests.helpers.spawn import REPO, job_dirs, rendezvous_port, run_process, run_together
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.eval_every=0", "tracking.enabled=false"]

@@ -12,7 +12,7 @@ import uuid
 from omegaconf import OmegaConf
 
 from hydraddp.preflight import claim
-from hydraddp.preflight.launch import checkpoint_root_problems
+from hydraddp.preflight.environment import checkpoint_root_problems
 from tests.helpers.spawn import REPO, assert_no_orphans, child_env
 from tests.test_lease import Racers
 

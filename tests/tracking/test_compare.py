@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from hydraddp.tracking import names
-from hydraddp.tracking.compare import (TAG_BEST_LOSS_RUN, TAG_BEST_THROUGHPUT_RUN, Compared, best_runs, gather,
+from hydraddp.tracking.comparison import (TAG_BEST_LOSS_RUN, TAG_BEST_THROUGHPUT_RUN, Compared, best_runs, gather,
                                        loss_figure, memory_figure, row, run_label)
 from hydraddp.tracking.per_rank import PerRankTable
 from tests.helpers.spawn import run_cli, run_process

@@ -19,7 +19,7 @@ import pytest
 
 from hydraddp.distributed.env import free_port
 from hydraddp.tracking import names, ui, view
-from hydraddp.tracking.compare import TAG_BEST_LOSS_RUN, TAG_BEST_THROUGHPUT_RUN
+from hydraddp.tracking.comparison import TAG_BEST_LOSS_RUN, TAG_BEST_THROUGHPUT_RUN
 from tests.helpers.browser import chromium, new_page, screenshot
 from tests.helpers.spawn import child_env, run_cli
 from tests.tracking.test_mlflow import QUICK, runs_of, tracked

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from hydraddp.tracking import names, ui
-from hydraddp.tracking.compare import (COLUMNS, MiB, RANKS_SHOWN, TABLE_JSON, TABLE_TEXT, Compared, rank_state,
+from hydraddp.tracking.comparison import (COLUMNS, MiB, RANKS_SHOWN, TABLE_JSON, TABLE_TEXT, Compared, rank_state,
                                        readable)
 from hydraddp.tracking.client import mlflow_client
 
@@ -49,7 +49,7 @@ class SweepRun:
     def _log_comparison(self, out_dir: Path) -> None:
         from mlflow.entities import Metric, Param
 
-        from hydraddp.tracking.compare import compare
+        from hydraddp.tracking.comparison import compare
 
         try:
             result = compare(self.run_id, self.uri, out_dir)
