@@ -94,7 +94,8 @@ def for_launch(job: Any, tracker: Any) -> NodeTracker | None:
 
 
 def settings_for(job: Any, node: int, job_dir: Path) -> dict[str, Any]:
-    """A node process's settings, from the launch's ``Job`` on that node; ``job_dir`` is where it finds the node file."""
+    """A node process's settings, from the launch's ``Job`` on that node; ``job_dir`` is where it finds the node
+    file."""
     tracking = job.config["tracking"]
     return {"uri": tracking["uri"] or default_uri(), "experiment": tracking["experiment"], "job_dir": str(job_dir),
             "node": node, "system_metrics": dict(tracking["system_metrics"]),
