@@ -23,15 +23,12 @@ from omegaconf import DictConfig
 
 from hydraddp.config.overrides import normalize_overrides
 from hydraddp.distributed.env import JOIN_TIMEOUT_ENV, detect_launch_env, slurm_allocation_outside_step
-from hydraddp.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED, EXIT_WORKER_FAILED
+from hydraddp.exit_codes import (EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED, EXIT_WORKER_FAILED,
+                                 LaunchEnded)
+from hydraddp.handoff.launch_result import RESULT_FILE
 from hydraddp.tracking import names
 
 OUTCOME_FILE = "outcome.json"  # in a sweep job's directory: what the job's launch ended with, for the summary
-RESULT_FILE = "result.json"  # in the job directory: rank 0's TrainResult
-
-
-class LaunchEnded(SystemExit):
-    """How a launch ended, as its exit code. Hydra's own exits (a config it cannot compose) are plain SystemExit."""
 
 
 def prepare_argv(argv: list[str]) -> list[str]:
@@ -202,7 +199,7 @@ def _launch(job: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
         tracker.finish(FINISHED, timeout_s=flush_s)
         result["run_id"] = tracker.run_id
     if job.leads:  # under torchrun every rank gets here, on several nodes every launcher: one report is enough
-        from hydraddp.train.preemption import retire_marker
+        from hydraddp.handoff.preemption import retire_marker
 
         retire_marker(job.job_dir)  # a rerun in this directory starts afresh
         (job.job_dir / RESULT_FILE).write_text(json.dumps({"run_id": None, **result}, indent=1))
@@ -262,7 +259,7 @@ def _mfu(mfu: float | None) -> str:
 
 def _preemption_since(job: Any) -> dict[str, Any] | None:
     """The preemption this launch's workers recorded, if they did (the marker has an entry more than at start)."""
-    from hydraddp.train.preemption import checkpointed_preemptions
+    from hydraddp.handoff.preemption import checkpointed_preemptions
 
     entries = checkpointed_preemptions(job.job_dir)
     return entries[-1] if len(entries) > job.preemptions else None

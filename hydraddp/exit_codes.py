@@ -16,6 +16,11 @@ EXIT_PREEMPTED = 3  # stopped by a signal after a complete checkpoint: the same 
 EXIT_INTERRUPTED = 130  # Ctrl-C: every worker was stopped
 
 
+class LaunchEnded(SystemExit):
+    """How a launch ended, as its exit code (raised by ``cli``, and by a sweep's job or the search on its behalf).
+    Hydra's own exits (a config it cannot compose) are plain SystemExit."""
+
+
 def exit_without_teardown(main: Callable[[], int | str | None]) -> NoReturn:
     """Run an entry point's ``main`` and end the process as ``sys.exit`` would, less the interpreter's teardown.
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hydraddp.train.checkpoint import CheckpointError
+from hydraddp.handoff.checkpoints import CheckpointError
 from hydraddp.train.formats import FORMATS, MAX_SHARD_MB, export
 
 __all__ = ["export", "main"]

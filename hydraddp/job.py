@@ -123,7 +123,7 @@ def job_dir_after_restart(job_dir: Path, remove_untouched) -> tuple[Path, bool]:
 def _restart_point(cfg: DictConfig, job_dir: Path) -> dict[str, Any] | None:
     """Where a restarted group goes on (the checkpoint its workers load), for the run's ``hydraddp.resumed_from``:
     a restart into another world size (an elastic job that lost or gained a node) is recorded as a resume is."""
-    from hydraddp.train.checkpoint import read_meta
+    from hydraddp.handoff.checkpoints import read_meta
     from hydraddp.train.resume import restart_checkpoint, restart_count
 
     path = restart_checkpoint(cfg, job_dir)

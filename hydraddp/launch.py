@@ -34,7 +34,7 @@ def worker(local_rank: int, plain_cfg: dict[str, Any], job_dir: str, events_path
     own_job_dir = job_dir
     job_dir, resume = agreed_start(own_job_dir, plain_cfg["checkpoint"]["resume"], decides)
     if not resume:
-        from hydraddp.train.preemption import resume_point
+        from hydraddp.handoff.preemption import resume_point
 
         # Every rank reads the agreed directory (under torchrun the others composed in "."): all resume, or none.
         resume = resume_point(Path(job_dir))[0]

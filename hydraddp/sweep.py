@@ -98,8 +98,7 @@ def _search_verdict(sweep_dir: Path) -> dict[str, Any] | None:
 
 def _report_single(outcome: dict[str, Any] | None) -> None:
     """One launch through submitit: say how it ended, with the contract's exit code."""
-    from hydraddp.cli import LaunchEnded
-    from hydraddp.exit_codes import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED
+    from hydraddp.exit_codes import EXIT_INVALID, EXIT_PREEMPTED, EXIT_WORKER_FAILED, LaunchEnded
 
     if outcome is None:
         print("hydraddp: the submitit job left no outcome (see its log under .submitit/)", file=sys.stderr)
@@ -130,8 +129,7 @@ class SweepSummary(Callback):
             wait_for_every_job()  # a failed job (FailedJobError) is reported from its outcome.json, as the others
             found = before_submission_problems(config)
             if found:
-                from hydraddp.cli import LaunchEnded
-                from hydraddp.exit_codes import EXIT_INVALID
+                from hydraddp.exit_codes import EXIT_INVALID, LaunchEnded
 
                 print("hydraddp: invalid configuration; nothing was submitted:", file=sys.stderr)
                 for problem in found:
@@ -190,7 +188,6 @@ class SweepSummary(Callback):
         if self.outcomes:
             print("\nhydraddp sweep summary\n" + summary_table(self.outcomes), flush=True)
         if failed:
-            from hydraddp.cli import LaunchEnded
-            from hydraddp.exit_codes import EXIT_WORKER_FAILED
+            from hydraddp.exit_codes import EXIT_WORKER_FAILED, LaunchEnded
 
             raise LaunchEnded(EXIT_WORKER_FAILED)

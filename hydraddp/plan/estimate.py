@@ -111,7 +111,7 @@ def _read_bytes(pretrained: str, local_numel: int) -> int:
     """This rank's elements, in the stored tensors' dtype (the most common one)."""
     from collections import Counter
 
-    from hydraddp.train.pretrained import kind, stored_dtypes
+    from hydraddp.handoff.pretrained import kind, stored_dtypes
 
     dtypes = Counter(stored_dtypes(pretrained, kind(pretrained)))
     return local_numel * dtypes.most_common(1)[0][0].itemsize if dtypes else 0

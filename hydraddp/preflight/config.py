@@ -14,7 +14,7 @@ from hydraddp.parallel.combinations import Combination, Problem, check_compatibi
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp.parallel.machine import combination, cuda_device_count, nproc_per_node_of
 from hydraddp.tracking import names
-from hydraddp.train.preemption import signal_numbers
+from hydraddp.handoff.preemption import signal_numbers
 
 INIT_DEVICES = ("auto", "meta", "cpu")  # model.init_device (hydraddp.build.instantiate_model)
 

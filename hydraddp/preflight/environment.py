@@ -51,7 +51,7 @@ def collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, A
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
     if not root.is_dir():
         return []  # the usual case (a new job directory): no torch import before the tracker starts
-    from hydraddp.train.checkpoint import others_ahead, written_by
+    from hydraddp.handoff.checkpoints import others_ahead, written_by
 
     start = resumed_from["step"] if resumed_from else 0
     ahead = others_ahead(root, str(job_dir), start)

@@ -17,7 +17,7 @@ from hydraddp.tracking import names
 def resume_after_preemption(cfg: DictConfig, job_dir: Path) -> int:
     """A launch in the job directory of a preempted one (a requeued job, or a rerun with ``hydra.run.dir``) goes on
     from its checkpoint. Returns how many preemptions the job has had (0: none)."""
-    from hydraddp.train.preemption import resume_point
+    from hydraddp.handoff.preemption import resume_point
 
     checkpoint, preemptions = resume_point(job_dir)
     if checkpoint and not cfg.checkpoint.resume:
@@ -32,7 +32,7 @@ def resume_problems(cfg: DictConfig, job_dir: Path) -> tuple[list[Problem], dict
     if not cfg.checkpoint.resume:
         return [], None
     from hydraddp.models.of_config import model_of
-    from hydraddp.train.checkpoint import CheckpointError, check_matches, check_readable, find, read_meta
+    from hydraddp.handoff.checkpoints import CheckpointError, check_matches, check_readable, find, read_meta
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
     try:
@@ -58,7 +58,7 @@ def pretrained_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     if not pretrained:
         return []
     from hydraddp.models import hf
-    from hydraddp.train.pretrained import kind
+    from hydraddp.handoff.pretrained import kind
 
     try:
         source = kind(pretrained)
@@ -86,7 +86,7 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
         return found  # the usual case: no torch import before the tracker starts
     from hydraddp.parallel import meta_init
     from hydraddp.models.of_config import model_factory, model_of
-    from hydraddp.train import pretrained as weights
+    from hydraddp.handoff import pretrained as weights
 
     try:
         model = meta_init.build_on_meta(model_factory(cfg.model))[0] if meta else model_of(cfg.model)

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from hydraddp.search.trial import TAG_TRIAL, TAG_TRIAL_STATE
+from hydraddp.handoff.trial import TAG_TRIAL, TAG_TRIAL_STATE
 
 
 MAX_TAG = 5000  # MLflow's limit on a tag's value (its SQL stores)

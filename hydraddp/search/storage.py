@@ -16,12 +16,11 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hydraddp import lease
+from hydraddp.handoff.trial import JOURNAL
 
-JOURNAL = "journal://"
 BEAT = "hydraddp_heartbeat"  # a journal trial's system attribute: when its sweeper last said it runs (time.time())
 ERROR = "hydraddp_error"  # a failed trial's user attribute: why (its launch's output, or the missed heartbeat)
 REMOTE_REACHABLE = ("postgresql", "mysql", JOURNAL)  # what trials on other machines can report to
@@ -56,27 +55,6 @@ def fail_orphans(study: Any) -> list[int]:
 
 
 # The sweeper's own hydra overrides, which no trial gets: the search's settings, and where its output goes.
-
-
-def journal_path(url: str) -> Path | None:
-    """The file of a ``journal:///path`` storage, else None."""
-    return Path(url.removeprefix(JOURNAL)) if url.startswith(JOURNAL) else None
-
-
-def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None,
-                 on_stale: Callable[[Any, Any], None] | None = None) -> Any:
-    """The optuna storage of ``url``; for a sweeper, with the heartbeat (RDB) that fails a trial gone quiet for
-    ``grace_period``, and ``on_stale(study, trial)`` told of each."""
-    import optuna
-
-    path = journal_path(url)
-    if path is not None:
-        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path), JournalFileOpenLock(str(path))))
-    return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                                      heartbeat_stale_trial_callback=on_stale)
 
 
 def beat(study: Any, trial_id: int) -> None:

@@ -27,13 +27,13 @@ from typing import Any
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from hydraddp.handoff.trial import PRUNERS, open_storage, pruner
 from hydraddp.search import space as search_space
 from hydraddp.search import storage as studies
 from hydraddp.search.launch import Budget, gpu_slots, known_metric, launch_arguments, run_trial
 from hydraddp.search.parent_run import SearchRun
 from hydraddp.search.report import PLAN, failure_line, results_table, write_verdict
 from hydraddp.search.storage import ERROR, OWNER
-from hydraddp.search.trial import PRUNERS, pruner
 
 DIRECTIONS = ("minimize", "maximize")
 SAMPLER_PACKAGES = {"CmaEsSampler": ("cmaes",), "GPSampler": ("scipy",)}  # what optuna imports when it first samples
@@ -79,7 +79,7 @@ class OptunaSearch(Sweeper):
         storage = self._storage()
         with studies.creating(storage):
             study = optuna.create_study(study_name=self.study_name or default_study_name(space, self.metric_key),
-                                        storage=studies.open_storage(storage, self.heartbeat_interval,
+                                        storage=open_storage(storage, self.heartbeat_interval,
                                                                      self.grace_period, _stale),
                                         sampler=self.made_sampler, pruner=pruner(self.pruner),
                                         directions=self.directions, load_if_exists=True)
@@ -188,8 +188,7 @@ class OptunaSearch(Sweeper):
 
     # -- what is checked before any trial -------------------------------------------------------------------------
     def _checked_space(self, arguments: list[str]) -> search_space.Space:
-        from hydraddp.cli import LaunchEnded
-        from hydraddp.exit_codes import EXIT_INVALID
+        from hydraddp.exit_codes import EXIT_INVALID, LaunchEnded
 
         found = []
         found += [f"hydra.sweeper.direction={d} is not one of {', '.join(DIRECTIONS)}." for d in self.directions

@@ -23,7 +23,8 @@ from hydraddp.parallel.wrappers import size_buckets
 from hydraddp.models import fit
 from hydraddp.models.hf import HF_TARGET, config_from_dict
 from hydraddp.models.of_config import recorded_model
-from hydraddp.train.checkpoint import CheckpointError, check_matches, read_meta, reader
+from hydraddp.handoff.checkpoints import CheckpointError, check_matches, read_meta
+from hydraddp.handoff.dcp_index import reader
 
 
 FORMATS = ("pt", "hf")
@@ -60,7 +61,7 @@ def export_hf(checkpoint: Path, out: Path, meta: dict, max_shard_bytes: int) -> 
     import transformers
     from safetensors.torch import save_file
 
-    from hydraddp.train.pretrained import stored_tensors
+    from hydraddp.handoff.pretrained import stored_tensors
 
     config = _transformers_config(checkpoint, meta)
     with torch.device("meta"):

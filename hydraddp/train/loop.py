@@ -26,8 +26,8 @@ from hydraddp.build import data_mesh, instantiate_model, wrap_model
 from hydraddp.parallel.precision import precision_spec
 from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
-from hydraddp.search.trial import TAG_PRUNED, TAG_PRUNED_STEP, TRIAL_ENV, TrialReporter
-from hydraddp.search.trial import describe as describe_trial
+from hydraddp.handoff.preemption import signal_name, write_marker
+from hydraddp.handoff.trial import TAG_PRUNED, TAG_PRUNED_STEP, TRIAL_ENV, TrialReporter, describe as describe_trial
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
 from hydraddp.train import checkpoint, data, inputs, model_snapshot, preemption, pretrained, resume, rng, tasks
@@ -225,9 +225,9 @@ def _preempted(saver: resume.Saver, step: int, stop: preemption.Preemption, job_
     """Every rank checkpoints ``step`` together; rank 0 records the preemption in the job directory."""
     path = saver.save(step)
     entry = {"step": step, "checkpoint": str(path) if path else None,
-             "signal": preemption.signal_name(stop.received) if stop.received else "another rank's"}
+             "signal": signal_name(stop.received) if stop.received else "another rank's"}
     if idist.get_rank() == 0 and job_dir is not None and path is not None:
-        preemption.write_marker(job_dir, entry)
+        write_marker(job_dir, entry)
     log.warning("stopped after step %d by %s; checkpoint %s", step, entry["signal"], path)
     return entry
 

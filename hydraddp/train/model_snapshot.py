@@ -22,7 +22,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.tracking.events import EventWriter
-from hydraddp.train import checkpoint as checkpoints
+from hydraddp.handoff import checkpoints
 from hydraddp.models.hf import HF_TARGET, config_dict
 
 log = logging.getLogger("hydraddp.train.loop")

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from hydraddp.models.hf import config_dict
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter
+from hydraddp.handoff.checkpoints import complete_checkpoints
 from hydraddp.train import checkpoint, model_snapshot
 
 log = logging.getLogger("hydraddp.train.loop")
@@ -32,7 +33,7 @@ def restart_checkpoint(cfg: DictConfig, job_dir: Path | None) -> Path | None:
     """After an elastic restart: this launch's own latest checkpoint, not another launch's in a shared
     ``checkpoint.dir``. The workers load it; the leading process records it in the run's history."""
     root = checkpoint_root(cfg, job_dir)
-    own = checkpoint.complete_checkpoints(root, launch=str(job_dir)) if restart_count() and root is not None else []
+    own = complete_checkpoints(root, launch=str(job_dir)) if restart_count() and root is not None else []
     return own[-1] if own else None
 
 

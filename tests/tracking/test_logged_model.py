@@ -12,7 +12,7 @@ import torch
 from hydraddp.export import export
 from hydraddp.tracking import names
 from hydraddp.tracking.run import LaunchRun, mlflow_client
-from hydraddp.train.checkpoint import step_dir
+from hydraddp.handoff.checkpoints import step_dir
 from hydraddp.train.model_snapshot import model_folder
 from tests.helpers.spawn import NO_PLAN, job_dirs, run_cli
 from tests.tracking.test_mlflow import QUICK, tracked

@@ -157,7 +157,7 @@ def test_a_sigkilled_worker_is_restarted_and_the_job_finishes_as_if_nothing_happ
 
 @pytest.mark.parametrize("worker", ["killed_during_save", "killed_during_background_save"])
 def test_a_process_killed_during_a_save_leaves_latest_on_the_previous_checkpoint(tmp_path, worker):
-    from hydraddp.train.checkpoint import complete_checkpoints, find
+    from hydraddp.handoff.checkpoints import complete_checkpoints, find
     from tests.helpers.spawn import run_parallel
 
     root = tmp_path / "checkpoints"

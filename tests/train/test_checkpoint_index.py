@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hydraddp.train.checkpoint import CheckpointError, check_readable, reader
+from hydraddp.handoff.checkpoints import CheckpointError, check_readable
+from hydraddp.handoff.dcp_index import reader
 
 
 class RunsCode:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import hydraddp.distributed as idist
+from hydraddp.handoff import checkpoints
 from hydraddp.train import checkpoint, resume
 from tests.helpers.spawn import NO_PLAN, UNTRACKED, job_dirs, run_cli, run_together
 
@@ -45,7 +46,7 @@ def test_a_step_the_same_launch_writes_again_is_replaced_and_another_launchs_is_
     path = save(tmp_path, 4, 1.0, "/jobs/a")
     assert save(tmp_path, 4, 2.0, "/jobs/a") == path  # once ENOTEMPTY: a rerun in the same job directory
     assert loaded_weight(path) == 2.0 and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
-    with pytest.raises(checkpoint.CheckpointError, match=r"written by another launch \(/jobs/a\)"):
+    with pytest.raises(checkpoints.CheckpointError, match=r"written by another launch \(/jobs/a\)"):
         save(tmp_path, 4, 3.0, "/jobs/b")
     assert loaded_weight(path) == 2.0
 
@@ -54,9 +55,9 @@ def test_keep_last_prunes_only_the_launchs_own_checkpoints(tmp_path):
     save(tmp_path, 2, 1.0, "/jobs/a")  # the checkpoint launch b resumed from
     for step in (4, 6, 8):
         save(tmp_path, step, 1.0, "/jobs/b", keep_last=2)
-    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000006",
+    assert [p.name for p in checkpoints.complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000006",
                                                                           "step_00000008"]
-    assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(tmp_path, launch="/jobs/b")] == [6, 8]
+    assert [checkpoints.step_of(p) for p in checkpoints.complete_checkpoints(tmp_path, launch="/jobs/b")] == [6, 8]
 
 
 def test_a_restart_resumes_its_own_launchs_latest_not_the_newest_in_the_folder(tmp_path, monkeypatch):
@@ -67,8 +68,8 @@ def test_a_restart_resumes_its_own_launchs_latest_not_the_newest_in_the_folder(t
     model, optimizer = model_and_optimizer(0.0)
     resumed = resume.resume(cfg, "/jobs/a", model, optimizer, None, None)
     assert resumed.step == 4 and model.weight[0, 0].item() == 4.0
-    assert checkpoint.others_ahead(tmp_path, "/jobs/a", 0) == [tmp_path / "step_00000008"]
-    assert checkpoint.others_ahead(tmp_path, "/jobs/a", 8) == []
+    assert checkpoints.others_ahead(tmp_path, "/jobs/a", 0) == [tmp_path / "step_00000008"]
+    assert checkpoints.others_ahead(tmp_path, "/jobs/a", 8) == []
 
 
 @pytest.mark.slow
@@ -105,9 +106,9 @@ def publish_over_another_launch(local_rank: int, root: str, background: bool) ->
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
     if idist.get_rank() == 0:
-        other = checkpoint.step_dir(Path(root), 5)
+        other = checkpoints.step_dir(Path(root), 5)
         other.mkdir(parents=True)
-        (other / checkpoint.META).write_text(json.dumps({"job_dir": "/jobs/other", "step": 5}))
+        (other / checkpoints.META).write_text(json.dumps({"job_dir": "/jobs/other", "step": 5}))
     idist.barrier()
     try:
         saved = checkpoint.save(Path(root), 5, model, optimizer, {"job_dir": "/jobs/mine"}, background=background)
@@ -116,7 +117,7 @@ def publish_over_another_launch(local_rank: int, root: str, background: bool) ->
                 saved.publish()  # as training does once rank 0's own write is done, alone: no collective, no raise
             saved.finish()
         raised = ""
-    except checkpoint.CheckpointError as exc:
+    except checkpoints.CheckpointError as exc:
         raised = str(exc)
     return raised, idist.all_reduce(1)
 
@@ -131,7 +132,7 @@ def test_a_publish_refused_on_rank_0_fails_the_save_on_every_rank(pools, tmp_pat
     for rank in (0, 1):
         raised, ranks = out[rank]
         assert "written by another launch (/jobs/other)" in raised and ranks == 2, (rank, out)
-    assert checkpoint.written_by(tmp_path / "step_00000005") == "/jobs/other"
+    assert checkpoints.written_by(tmp_path / "step_00000005") == "/jobs/other"
 
 
 @pytest.mark.slow
@@ -154,5 +155,5 @@ def test_two_launches_into_one_checkpoint_dir_at_once_keep_one_intact_and_refuse
     assert job_dirs(tmp_path / refused[1]) == []  # nothing trained, nothing half-written
     # The winner's checkpoints are whole and its own; the claim went with the launch.
     assert sorted(p.name for p in shared.iterdir()) == ["step_00000005", "step_00000010"]
-    for path in checkpoint.complete_checkpoints(shared):
-        assert checkpoint.written_by(path) == str(job) and checkpoint.check_readable(path)
+    for path in checkpoints.complete_checkpoints(shared):
+        assert checkpoints.written_by(path) == str(job) and checkpoints.check_readable(path)

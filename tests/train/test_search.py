@@ -125,7 +125,7 @@ def _sweeper(tmp_path: Path, token: str, *args: str, storage: str = "sqlite:///s
 
 
 def _trials(storage: str):
-    from hydraddp.search.storage import journal_path, open_storage
+    from hydraddp.handoff.trial import journal_path, open_storage
 
     if journal_path(storage) is None:
         return study(Path(storage.removeprefix("sqlite:///")), "shared").get_trials()

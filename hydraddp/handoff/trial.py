@@ -1,17 +1,41 @@
-"""A trial's side of the search, on the rank that evaluates first (rank 0): report the metric at each evaluation
-to the study's storage, and ask whether to prune. The training loop carries the answer to every rank in the
-collective that already carries the ranks' agreement to stop (``train.preemption``)."""
+"""A search trial as its launch sees it: the spec the sweeper hands it in its environment (``TRIAL_ENV``), and on the
+rank that evaluates first (rank 0), the metric reported at each evaluation to the study's storage, with the question
+whether to prune. The training loop carries the answer to every rank in the collective that already carries the
+ranks' agreement to stop (``train.preemption``); the sweeper's side is ``search/``."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 # Set by the sweeper for its trial's launch: {"storage", "study", "trial_id", "number", "metric", "pruner", "keys"}
 TRIAL_ENV = "HYDRADDP_TRIAL"
 TAG_TRIAL, TAG_TRIAL_STATE = "hydraddp.trial", "hydraddp.trial_state"  # on a trial's run: its number and state
 TAG_PRUNED, TAG_PRUNED_STEP = "hydraddp.pruned", "hydraddp.pruned_step"
+JOURNAL = "journal://"  # a study in a file on a shared file system (search.storage)
+
+
+def journal_path(url: str) -> Path | None:
+    """The file of a ``journal:///path`` storage, else None."""
+    return Path(url.removeprefix(JOURNAL)) if url.startswith(JOURNAL) else None
+
+
+def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None,
+                 on_stale: Callable[[Any, Any], None] | None = None) -> Any:
+    """The optuna storage of ``url``; for a sweeper, with the heartbeat (RDB) that fails a trial gone quiet for
+    ``grace_period``, and ``on_stale(study, trial)`` told of each."""
+    import optuna
+
+    path = journal_path(url)
+    if path is not None:
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path), JournalFileOpenLock(str(path))))
+    return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                      heartbeat_stale_trial_callback=on_stale)
 
 
 PRUNERS = ("none", "median", "hyperband")
@@ -56,8 +80,6 @@ class TrialReporter:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.metric = spec["metric"]
         # The pruner is not in the storage: each process that asks names its own (load_study's default is median's).
-        from hydraddp.search.storage import open_storage
-
         study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
                                   pruner=pruner(spec["pruner"]))
         self.trial = optuna.Trial(study, spec["trial_id"])
