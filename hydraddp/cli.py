@@ -25,10 +25,8 @@ from hydraddp.config.overrides import normalize_overrides
 from hydraddp.distributed.env import JOIN_TIMEOUT_ENV, detect_launch_env, slurm_allocation_outside_step
 from hydraddp.exit_codes import (EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED, EXIT_WORKER_FAILED,
                                  LaunchEnded)
-from hydraddp.handoff.launch_result import RESULT_FILE
+from hydraddp.handoff.launch_result import OUTCOME_FILE, RESULT_FILE
 from hydraddp.tracking import names
-
-OUTCOME_FILE = "outcome.json"  # in a sweep job's directory: what the job's launch ended with, for the summary
 
 
 def prepare_argv(argv: list[str]) -> list[str]:

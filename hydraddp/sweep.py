@@ -76,10 +76,10 @@ def before_submission_problems(config: DictConfig, single_job: bool | None = Non
 
 
 def _read_outcomes(sweep_dir: Path) -> list[dict[str, Any]]:
-    """The outcome each job of a sweep left in its directory (cli.OUTCOME_FILE), in job order."""
+    """The outcome each job of a sweep left in its directory (``handoff.launch_result.OUTCOME_FILE``), in job order."""
     import json
 
-    from hydraddp.cli import OUTCOME_FILE
+    from hydraddp.handoff.launch_result import OUTCOME_FILE
 
     files = sorted(sweep_dir.glob(f"*/{OUTCOME_FILE}"), key=lambda f: int(f.parent.name) if f.parent.name.isdigit()
                    else 0)

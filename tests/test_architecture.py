@@ -255,6 +255,26 @@ def test_every_module_has_a_layer():
     assert not unplaced, "modules in no layer of LAYERS: " + ", ".join(unplaced)
 
 
+# Rooms that never reach into one another, even where the layers would let them: what they share lies below all of
+# them (``handoff``). The search's sweeper is a command, and asks the preflight like every command does.
+SEPARATE_ROOMS = {"hydraddp.train": ("hydraddp.preflight", "hydraddp.search", "hydraddp.cli"),
+                  "hydraddp.preflight": ("hydraddp.train", "hydraddp.search", "hydraddp.cli"),
+                  "hydraddp.search": ("hydraddp.train", "hydraddp.cli"),
+                  "hydraddp.sweep": ("hydraddp.cli",)}
+
+
+def test_the_loop_the_preflight_and_the_search_share_only_what_lies_below_them():
+    """The loop never depends on the search plugin, the search never on the command line, and the judge of a config
+    never on the loop's room: a change to one room cannot break another."""
+    def within(module: str, room: str) -> bool:
+        return module == room or module.startswith(room + ".")
+
+    reaching = sorted(f"{module} -> {dep}" for module, deps in import_graph().items() for dep in deps
+                      for room, others in SEPARATE_ROOMS.items() if within(module, room)
+                      and any(within(dep, other) for other in others))
+    assert not reaching, "\n".join(reaching)
+
+
 def _module_lengths() -> dict[str, int]:
     return {path.relative_to(PACKAGE.parent).as_posix(): len(path.read_text().splitlines())
             for path in _modules().values()}
