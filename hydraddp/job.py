@@ -147,7 +147,6 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
     from hydraddp import preflight
     from hydraddp.parallel import machine
     from hydraddp.parallel.combinations import resolve_wrap
-    from hydraddp.parallel.mesh import MeshShape
     from hydraddp.parallel.mesh import realized as realized_mesh
 
     leads = _leads_here(cfg)
@@ -155,12 +154,12 @@ def prepare(cfg: DictConfig, job_dir: Path, overrides: list[str], sweeping: bool
                               settle_job_dir=lambda path: job_dir_after_restart(path, remove_untouched))
     if verdict.problems:
         return verdict.problems
-    combo, job_dir, resumed_from = verdict.combination, verdict.job_dir, verdict.resumed_from
+    combo, job_dir, resumed_from = verdict.settings.combination, verdict.job_dir, verdict.resumed_from
     if verdict.restarted and resumed_from is None:
         resumed_from = _restart_point(cfg, job_dir)
     tracks = bool(cfg.tracking.enabled) and leads
     wrap = resolve_wrap(combo)
-    mesh = realized_mesh(MeshShape.of(cfg.mesh), wrap, combo.world_size)
+    mesh = realized_mesh(verdict.settings.mesh, wrap, combo.world_size)
     secrets = frozenset(redaction.secret_paths(OmegaConf.to_container(cfg, resolve=False)))
     config = resolve(cfg)
     return Job(

@@ -66,7 +66,8 @@ def before_submission_problems(config: DictConfig, single_job: bool | None = Non
     if _single_job() if single_job is None else single_job:
         import copy
 
-        from hydraddp.preflight.config import nproc_problems, problems
+        from hydraddp.preflight.config import problems
+        from hydraddp.preflight.settings import nproc_problems
 
         job = copy.deepcopy(config)  # as the job's nodes run it: nproc_per_node=auto is its tasks per node
         job.launcher.nproc_per_node = job.hydra.launcher.get("tasks_per_node", job.launcher.nproc_per_node)

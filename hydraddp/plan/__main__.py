@@ -59,7 +59,7 @@ def _validated(overrides: tuple[str, ...]):
 
 
 def _world_size(cfg) -> int:
-    from hydraddp.preflight.config import world_size
+    from hydraddp.preflight.settings import world_size
 
     return world_size(cfg)
 

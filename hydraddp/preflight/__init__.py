@@ -1,9 +1,9 @@
 """The one answer to "will this config run here?", before any process starts.
 
-``check`` runs every check a launch needs, in order, and returns a ``Verdict``: the config's settings and its
-combination of backend, wrap, precision and offload against this machine (``config``, applying ``parallel``'s rules,
-which ``auto_model`` applies again in a worker); the tasks a cluster launcher started and the tracking server
-(``environment``); the checkpoint a resume starts from, ``model.pretrained``, the meta-device replay and the TP plan
+``check`` runs every check a launch needs, in order, and returns a ``Verdict``. The config is completed and read
+once into its typed ``Settings`` (``settings``), which the rules judge: its settings and its combination of backend,
+wrap, precision and offload against this machine (``config``, applying ``parallel``'s rules, which ``auto_model``
+applies again in a worker); the tasks a cluster launcher started and the tracking server (``environment``); the checkpoint a resume starts from, ``model.pretrained``, the meta-device replay and the TP plan
 (``model``); and another launch's checkpoints in the same root, or another launch writing there now (``claim``). The
 launch's ``Job`` (``hydraddp.job``) calls it once; ``python -m hydraddp.plan`` asks ``config_problems``, the same
 checks without a job directory.
@@ -22,10 +22,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from hydraddp.parallel.combinations import Combination, Problem
-from hydraddp.preflight.config import combination_of, complete, nproc_problems, problems
+from hydraddp.parallel.combinations import Problem
+from hydraddp.preflight.config import judge, problems
 from hydraddp.preflight.environment import attached_problems, checkpoint_root_problems, tracking_problems
 from hydraddp.preflight.model import model_problems, pretrained_problems, resume_after_preemption, resume_problems
+from hydraddp.preflight.settings import Settings, complete, nproc_problems
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Verdict:
     decided on the way."""
 
     problems: list[Problem] = field(default_factory=list)
-    combination: Combination | None = None
+    settings: Settings | None = None  # the config as the rules judged it (with its combination, world and mesh)
     resumed_from: dict[str, Any] | None = None  # the checkpoint and step a resume starts from
     preemptions: int = 0  # how many preemptions the job in this directory has had
     job_dir: Path | None = None  # where the launch goes on (``settle_job_dir``'s answer)
@@ -49,8 +50,8 @@ def check(cfg: DictConfig, job_dir: Path, overrides: list[str], *, leads: bool,
     complete(cfg)
     if nproc_problems(cfg):
         return Verdict(nproc_problems(cfg))
-    combo = combination_of(cfg)
-    found = problems(cfg, combo) + attached_problems(cfg, overrides)
+    settings = Settings.of(cfg)
+    found = judge(settings) + attached_problems(settings, overrides)
     preemptions = resume_after_preemption(cfg, job_dir) if not found else 0
     if not found:  # on every process: a pretrained config sets the model's sizes, which each rank composes alone
         found += pretrained_problems(cfg, overrides)
@@ -58,14 +59,14 @@ def check(cfg: DictConfig, job_dir: Path, overrides: list[str], *, leads: bool,
     found += resume
     if not found:
         found += model_problems(cfg, overrides)
-    if not found and cfg.tracking.enabled and leads:
-        found += tracking_problems(cfg)
+    if not found and settings.config.tracking.enabled and leads:
+        found += tracking_problems(settings)
     if found:
         return Verdict(found)
     job_dir, restarted = settle_job_dir(job_dir)
     if leads:  # claims checkpoint.dir until the launch ends (cli releases it): a concurrent launch is refused
-        found = checkpoint_root_problems(cfg, job_dir, resumed_from, restarted)
-    return Verdict(found, combo, resumed_from, preemptions, job_dir, restarted)
+        found = checkpoint_root_problems(settings, job_dir, resumed_from, restarted)
+    return Verdict(found, settings, resumed_from, preemptions, job_dir, restarted)
 
 
 def config_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:

@@ -6,32 +6,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp.parallel.combinations import Problem
 from hydraddp.preflight import claim
+from hydraddp.preflight.settings import Settings
 
 
-def checkpoint_root_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None,
+def checkpoint_root_problems(settings: Settings, job_dir: Path, resumed_from: dict[str, Any] | None,
                              restarted: bool) -> list[Problem]:
     """The leading process claims an explicit ``checkpoint.dir`` for the whole launch (``claim``: released when the
     launch ends), then looks for another launch's checkpoints there under that claim. (The default root is in the
     launch's own job directory; a restart goes on in the first attempt's, whose checkpoints are its own.)"""
-    found = claim_problems(cfg, job_dir, restarted)
+    found = claim_problems(settings, job_dir, restarted)
     if not found and not restarted:
-        found = collision_problems(cfg, job_dir, resumed_from)
+        found = collision_problems(settings, job_dir, resumed_from)
     if found:
         claim.release()
     return found
 
 
-def claim_problems(cfg: DictConfig, job_dir: Path, restarted: bool = False) -> list[Problem]:
+def claim_problems(settings: Settings, job_dir: Path, restarted: bool = False) -> list[Problem]:
     """Refuse a launch into a ``checkpoint.dir`` that another launch, running now, writes: both would pass
     ``collision_problems`` at their start, then write the same steps, each over the other's."""
-    if not cfg.checkpoint.dir:
+    if not settings.config.checkpoint.dir:
         return []
-    root = Path(cfg.checkpoint.dir)
+    root = Path(settings.config.checkpoint.dir)
     other = claim.claim(root, job_dir, restarted)
     if other is None:
         return []
@@ -45,10 +44,11 @@ def claim_problems(cfg: DictConfig, job_dir: Path, restarted: bool = False) -> l
                     "checkpoint.resume=latest.")]
 
 
-def collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, Any] | None) -> list[Problem]:
+def collision_problems(settings: Settings, job_dir: Path, resumed_from: dict[str, Any] | None) -> list[Problem]:
     """Refuse a launch that would write its checkpoints over another launch's: a new launch into a reused
     ``checkpoint.dir``, or a resume from step 200 where another launch's step 300 exists."""
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else job_dir / "checkpoints"
+    explicit = settings.config.checkpoint.dir
+    root = Path(explicit) if explicit else job_dir / "checkpoints"
     if not root.is_dir():
         return []  # the usual case (a new job directory): no torch import before the tracker starts
     from hydraddp.handoff.checkpoints import others_ahead, written_by
@@ -65,25 +65,25 @@ def collision_problems(cfg: DictConfig, job_dir: Path, resumed_from: dict[str, A
                     "newest with checkpoint.resume=latest, or remove those checkpoints.")]
 
 
-def attached_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
+def attached_problems(settings: Settings, overrides: list[str]) -> list[Problem]:
     """Started by torchrun, srun or mpirun, the launcher's tasks are the ranks: a launcher.nproc_per_node typed on the
     command line that differs from the tasks on this node would silently run fewer (or more) processes."""
     launch = detect_launch_env()
     typed = [o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith("launcher.nproc_per_node=")]
-    if launch is None or not typed or typed[-1] == "auto" or cfg.launcher.nproc_per_node == launch.local_world_size:
+    nproc = settings.config.launcher.nproc_per_node
+    if launch is None or not typed or typed[-1] == "auto" or nproc == launch.local_world_size:
         return []
     return [Problem(("launcher.nproc_per_node",),
-                    f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}, but {launch.source} started "
+                    f"launcher.nproc_per_node={nproc}, but {launch.source} started "
                     f"{launch.local_world_size} task(s) on this node, and each task is one rank.",
                     f"Drop launcher.nproc_per_node (the {launch.source} tasks are the ranks), or start "
-                    f"{cfg.launcher.nproc_per_node} per node (srun --ntasks-per-node={cfg.launcher.nproc_per_node}, "
-                    f"torchrun --nproc_per_node={cfg.launcher.nproc_per_node}).")]
+                    f"{nproc} per node (srun --ntasks-per-node={nproc}, torchrun --nproc_per_node={nproc}).")]
 
 
-def tracking_problems(cfg: DictConfig) -> list[Problem]:
+def tracking_problems(settings: Settings) -> list[Problem]:
     from hydraddp.tracking.setup import preflight, tracking_uri
 
-    unreachable = preflight(tracking_uri(cfg))
+    unreachable = preflight(tracking_uri(settings.config))
     if not unreachable:
         return []
     return [Problem(("tracking.uri",), f"tracking.uri: {unreachable}.",

@@ -149,7 +149,7 @@ class OptunaSearch(Sweeper):
         """The memory budget the trial's plan must fit (its ``plan.budget_gb``, else
         ``hydra.sweeper.memory_budget_gb``), with its config as a launch decides it; None without a budget."""
         from hydraddp.config.compose import normalize_overrides
-        from hydraddp.preflight.config import complete, world_size
+        from hydraddp.preflight.settings import complete, world_size
 
         assert self.config is not None
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, normalize_overrides(overrides))

@@ -17,7 +17,8 @@ from hydraddp.tracking.server import preflight
 PARENT_RUN_ENV = "HYDRADDP_PARENT_RUN_ID"  # set by a sweep for its jobs
 
 
-def tracking_uri(cfg: DictConfig) -> str:
+def tracking_uri(cfg: Any) -> str:
+    """The MLflow URI of a config (a DictConfig, or the typed one the preflight judges)."""
     return cfg.tracking.uri or default_uri()
 
 

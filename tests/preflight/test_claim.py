@@ -9,15 +9,21 @@ import subprocess
 import sys
 import uuid
 
-from omegaconf import OmegaConf
-
+from hydraddp.config.compose import compose
 from hydraddp.preflight import claim
 from hydraddp.preflight.environment import checkpoint_root_problems
+from hydraddp.preflight.settings import Settings, complete
 from tests.helpers.spawn import REPO, assert_no_orphans, child_env
 from tests.test_lease import Racers
 
 HOLD = ("import fcntl, sys, time; fcntl.flock = lambda *args, **kwargs: None; from hydraddp.preflight import claim; "
         "assert claim.claim(sys.argv[1], '/jobs/first') is None; print('claimed', flush=True); time.sleep(120)")
+
+
+def settings_with(override: str) -> Settings:
+    cfg = compose([override])
+    complete(cfg)
+    return Settings.of(cfg)
 
 
 def held_elsewhere(root):
@@ -30,7 +36,7 @@ def held_elsewhere(root):
 
 def test_a_claimed_checkpoint_dir_refuses_another_launch_until_its_holder_dies(tmp_path):
     root = tmp_path / "shared"
-    cfg = OmegaConf.create({"checkpoint": {"dir": str(root)}})
+    cfg = settings_with(f"checkpoint.dir={root}")
     proc, token = held_elsewhere(root)
     try:
         [problem] = checkpoint_root_problems(cfg, tmp_path / "second", None, restarted=False)
@@ -54,7 +60,7 @@ def test_a_claimed_checkpoint_dir_refuses_another_launch_until_its_holder_dies(t
 
 
 def test_a_launch_without_checkpoint_dir_claims_nothing(tmp_path):
-    cfg = OmegaConf.create({"checkpoint": {"dir": None}})
+    cfg = settings_with("checkpoint.dir=null")
     assert checkpoint_root_problems(cfg, tmp_path / "job", None, restarted=False) == []
     assert claim._held == {} and list(tmp_path.iterdir()) == []
 

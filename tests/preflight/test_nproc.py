@@ -10,6 +10,7 @@ from hydraddp.config.compose import compose
 from hydraddp.parallel import machine
 from hydraddp.preflight import config_problems
 from hydraddp.preflight import config as preflight_config
+from hydraddp.preflight import settings as preflight_settings
 from tests.helpers.spawn import run_cli
 
 HEADLINE = ["backend=nccl", "wrap=fsdp2", "precision=bf16"]
@@ -29,7 +30,7 @@ def gpus(monkeypatch, tmp_path):
                             lambda name: "2.11.0+cu130" if name == "torch" else real_version(name))
         counted = lambda env=None: real_count(env, gpus_dir=listed)  # noqa: E731
         monkeypatch.setattr(machine, "cuda_device_count", counted)
-        monkeypatch.setattr(preflight_config, "cuda_device_count", counted)
+        monkeypatch.setattr(preflight_settings, "cuda_device_count", counted)
 
     return node_with
 
@@ -44,7 +45,7 @@ def test_auto_is_one_rank_per_visible_gpu_under_nccl(gpus, monkeypatch, count, v
     for backend in ("nccl", "auto"):  # backend=auto picks nccl with GPUs
         cfg = compose([f"backend={backend}", "wrap=fsdp2", "precision=bf16"])
         assert cfg.launcher.nproc_per_node == "auto"  # the default
-        preflight_config.complete(cfg)
+        preflight_settings.complete(cfg)
         assert (cfg.backend.name, cfg.launcher.nproc_per_node) == ("nccl", expected)
         assert not [p for p in preflight_config.problems(cfg) if "launcher.nproc_per_node" in p.keys]
 
@@ -52,11 +53,11 @@ def test_auto_is_one_rank_per_visible_gpu_under_nccl(gpus, monkeypatch, count, v
 def test_auto_without_a_gpu_is_two_processes_one_under_backend_none_and_gloo_keeps_two_on_a_gpu_node(gpus):
     for backend, expected in (("gloo", 2), ("auto", 2), ("none", 1)):
         cfg = compose([f"backend={backend}"])
-        preflight_config.complete(cfg)
+        preflight_settings.complete(cfg)
         assert cfg.launcher.nproc_per_node == expected, backend
     gpus(8)
     cfg = compose(["backend=gloo"])
-    preflight_config.complete(cfg)
+    preflight_settings.complete(cfg)
     assert cfg.launcher.nproc_per_node == 2  # gloo on CPU tensors: not one per GPU
 
 
