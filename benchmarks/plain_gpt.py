@@ -50,7 +50,7 @@ def main() -> None:
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                           output_dtype=torch.float32))

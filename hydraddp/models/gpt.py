@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hydraddp.parallel.pipeline import PipelineShape
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
@@ -40,9 +42,15 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, ``depth`` blocks, a final norm and an untied, bias-free head; returns logits."""
+    """Token + position embeddings, ``depth`` blocks, a final norm and an untied, bias-free head; returns logits.
+
+    Ready for pipeline parallel (``parallel.pipeline``), as torchtitan's models are: the blocks are a ``ModuleDict``
+    keyed by their index (the same names as a list's, so a stage that keeps some of them keeps their names, and a
+    checkpoint loads at any pipeline degree), and a stage without the embeddings (``tok_emb`` None) takes the hidden
+    states, one without the head (``head`` None) returns them."""
 
     fsdp_block_classes = ("GPTBlock",)
+    pipeline_shape = PipelineShape(blocks="blocks", first=("tok_emb", "pos_emb"), last=("norm", "head"))
 
     def __init__(self, vocab_size: int = 128, seq_len: int = 64, dim: int = 128, depth: int = 4, heads: int = 4,
                  mlp_ratio: int = 4, dropout: float = 0.0):
@@ -50,7 +58,7 @@ class GPT(nn.Module):
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, dim)
         self.pos_emb = nn.Embedding(seq_len, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads, mlp_ratio, dropout) for _ in range(depth))
+        self.blocks = nn.ModuleDict({str(index): GPTBlock(dim, heads, mlp_ratio, dropout) for index in range(depth)})
         self.norm = nn.LayerNorm(dim)
         # No bias, as GPT-2's and Llama's heads: and so the logits are not a view. On a 3-D input, a Linear with a bias
         # returns a view of its 2-D addmm, and an FSDP2 root that returns a view warns that an in-place op on it
@@ -58,11 +66,12 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        for block in self.blocks:
+        x = tokens
+        if self.tok_emb is not None:
+            x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) if self.head is not None else x
 
     def tp_plan(self) -> dict[str, object]:
         """Tensor parallel with sequence parallel (Megatron's, as torchtitan's Llama): attention and MLP split by

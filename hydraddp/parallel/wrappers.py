@@ -122,7 +122,6 @@ def broadcast_module_states(model: nn.Module, group: Any, device: torch.device, 
     """
     import torch.distributed as dist
 
-    src = dist.get_global_rank(group, src_in_group)
     via_device = "nccl" in str(dist.get_backend(group))  # nccl, or nccl with a gloo side (CPU tensors are faster so)
     # Not materialized yet (meta), or already sharded by the caller (DTensor): nothing to send.
     tensors = [t for t in [*model.parameters(), *model.buffers()]
@@ -130,7 +129,8 @@ def broadcast_module_states(model: nn.Module, group: Any, device: torch.device, 
     with torch.no_grad():
         for bucket in size_buckets(tensors, lambda t: t.numel() * t.element_size(), BROADCAST_BUCKET_BYTES):
             sent = [t.detach().to(device) if via_device and t.device != device else t.detach() for t in bucket]
-            dist._broadcast_coalesced(group, sent, BROADCAST_BUCKET_BYTES, src)
+            # The source is the group's own rank (as DDP's module sync passes it), not a global one.
+            dist._broadcast_coalesced(group, sent, BROADCAST_BUCKET_BYTES, src_in_group)
             for tensor, arrived in zip(bucket, sent):
                 if arrived.device != tensor.device:
                     tensor.copy_(arrived)

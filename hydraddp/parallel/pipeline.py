@@ -1,0 +1,206 @@
+"""Pipeline parallel: a model cut along its blocks into stages, each rank of a pipeline group running its own stages
+under one of torch's schedules (``torch.distributed.pipelining``), torchtitan's way.
+
+- **The cut.** The model's blocks, in order, are cut into contiguous runs balanced by parameter count (the largest
+  stage as small as it can be), or where the user says (``split``: the first block of each stage after the first).
+- **A stage** is the model itself less what other stages hold: the blocks of the others, the embeddings unless it is
+  the first, the final norm and the head unless it is the last. Every name is kept (``blocks.5.attn.qkv.weight`` on
+  whichever stage holds block 5), so a checkpoint written at one pipeline degree loads at any other (DCP by name).
+- **The shape it needs** (``PipelineShape``, declared by the model class as ``pipeline_shape``, e.g. the bundled GPT):
+  the blocks, a ``ModuleDict`` keyed by index; the modules only the first stage holds; those only the last holds. The
+  model's forward takes hidden states where those of the first are None, and returns them where those of the last are.
+  A model without it is refused (``NotPipelinable``), with the reason.
+- **Where stages go.** One per rank (``1F1B``, ``GPipe``); ``stages_per_rank`` per rank, looping over the ranks
+  (``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``), or two per rank in a V (``ZBVZeroBubble``,
+  ``DualPipeV``: rank 0 holds the first and the last).
+- **Each stage is parallelized** by the one pipeline every wrap goes through (``parallelize``: activation
+  checkpointing, compile, then ``fully_shard`` over the data-parallel ranks of the stage): PP is cut first, as in
+  torchtitan.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SINGLE_STAGE = ("1F1B", "GPipe")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+
+
+class NotPipelinable(ValueError):
+    """A model, a cut or a schedule that pipeline parallel cannot run, with the reason."""
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """Where a model's stages are cut: its blocks (a ``ModuleDict`` keyed by index), the modules of its first stage
+    and those of its last, by attribute name."""
+
+    blocks: str = "blocks"
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+
+
+def shape_of(model: nn.Module) -> PipelineShape:
+    """The model's declared ``pipeline_shape``; ``NotPipelinable`` naming what is missing."""
+    shape = getattr(model, "pipeline_shape", None)
+    name = type(model).__name__
+    if not isinstance(shape, PipelineShape):
+        raise NotPipelinable(f"{name} declares no pipeline_shape: pipeline parallel cuts a model whose forward is its "
+                             "first modules, then a sequence of blocks, then its last modules, and needs to know them")
+    blocks = getattr(model, shape.blocks, None)
+    if not isinstance(blocks, nn.ModuleDict) or list(blocks) != [str(i) for i in range(len(blocks))]:
+        raise NotPipelinable(f"{name}.{shape.blocks} is not a ModuleDict of blocks keyed 0, 1, ...: a stage keeps "
+                             "some of them under their own names")
+    return shape
+
+
+def cut(sizes: Sequence[int], stages: int, split: Sequence[int] | None = None) -> list[range]:
+    """The blocks of each of ``stages`` stages (``sizes``: each block's parameter count): at ``split`` (the first
+    block of stages 1, 2, ...) when given, else contiguous runs with the largest total as small as it can be."""
+    count = len(sizes)
+    if stages > count:
+        raise NotPipelinable(f"{stages} stages need at least {stages} blocks, and the model has {count}")
+    if split is not None:
+        starts = [0, *split, count]
+        if len(split) != stages - 1 or any(a >= b for a, b in zip(starts, starts[1:])):
+            raise NotPipelinable(f"the split {list(split)} is not {stages - 1} increasing block indices in 1..{count - 1}"
+                                 f" (the first block of each stage after the first)")
+        return [range(a, b) for a, b in zip(starts, starts[1:])]
+    return _balanced(list(sizes), stages)
+
+
+def _balanced(sizes: list[int], stages: int) -> list[range]:
+    """The contiguous cut whose largest stage is smallest (a binary search over that largest total)."""
+    def pieces(limit: int) -> list[range] | None:
+        found, start, total = [], 0, 0
+        for index, size in enumerate(sizes):
+            if total + size > limit and index > start:
+                found.append(range(start, index))
+                start, total = index, 0
+            total += size
+        found.append(range(start, len(sizes)))
+        return found if len(found) <= stages else None
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if pieces(middle) else (middle + 1, high)
+    found = pieces(low)
+    while len(found) < stages:  # fewer runs fit the limit: split the longest again, so that every stage has blocks
+        longest = max(range(len(found)), key=lambda i: len(found[i]))
+        run = found[longest]
+        found[longest:longest + 1] = [range(run.start, run.start + 1), range(run.start + 1, run.stop)]
+    return found
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str, stages_per_rank: int = 1) -> list[int]:
+    """The stages ``pp_rank`` of ``pp`` ranks runs under ``schedule``."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    if schedule in LOOPED:
+        return [pp_rank + pp * index for index in range(stages_per_rank)]
+    return [pp_rank]
+
+
+def stages_per_rank_of(schedule: str, stages_per_rank: int) -> int:
+    """How many stages each rank runs: 1 for the single-stage schedules, 2 for the V-shaped ones, and at least 2 for
+    the looped ones (``NotPipelinable`` otherwise)."""
+    if schedule not in SCHEDULES:
+        raise NotPipelinable(f"pp_schedule={schedule} is not one of torch's schedules: {', '.join(SCHEDULES)}")
+    if schedule in SINGLE_STAGE:
+        return 1
+    if schedule in V_SHAPED:
+        return 2
+    if stages_per_rank < 2:
+        raise NotPipelinable(f"pp_schedule={schedule} runs several stages on each rank, and pp_stages_per_rank="
+                             f"{stages_per_rank}; give 2 or more")
+    return stages_per_rank
+
+
+def stage_module(model: nn.Module, shape: PipelineShape, blocks: range, first: bool, last: bool) -> nn.Module:
+    """A copy of ``model`` with only what its stage holds: ``blocks``, the first modules if ``first``, the last ones
+    if ``last``. Names are kept."""
+    stage = copy.deepcopy(model)
+    held = getattr(stage, shape.blocks)
+    for name in list(held):
+        if int(name) not in blocks:
+            del held[name]
+    for names, kept in ((shape.first, first), (shape.last, last)):
+        if not kept:
+            for name in names:
+                setattr(stage, name, None)
+    return stage
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a pipeline: its stage modules (parallelized) and the schedule that runs them."""
+
+    stages: list[nn.Module]
+    stage_indices: list[int]
+    num_stages: int
+    schedule: Any
+    group: Any  # the pipeline's process group (the ranks of one data-parallel slice, one per stage place)
+    last_stage_rank: int  # the global rank that holds the last stage
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for stage in self.stages for p in stage.parameters()]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One training step's forward and backward over the microbatches of ``inputs`` (the first stage's) against
+        ``targets`` (the last stage's); every rank of the pipeline gets the mean loss of the microbatches."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None)
+        loss = torch.stack([l.detach() for l in losses]).mean() if self.last else torch.zeros((), device=targets.device)
+        dist.broadcast(loss, src=self.last_stage_rank, group=self.group)
+        return loss
+
+
+def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
+          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+          parallelize_stage: Callable[[nn.Module], nn.Module], *, stages_per_rank: int = 1,
+          split: Sequence[int] | None = None) -> Pipeline:
+    """Cut ``model`` for the ranks of ``pp_mesh`` (this rank's place in it decides its stages), parallelize each of
+    this rank's stages (``parallelize_stage``), and make ``schedule`` over them."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    shape = shape_of(model)
+    per_rank = stages_per_rank_of(schedule, stages_per_rank)
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp * per_rank
+    blocks = getattr(model, shape.blocks)
+    runs = cut([sum(p.numel() for p in blocks[str(i)].parameters()) for i in range(len(blocks))], num_stages, split)
+    indices = stage_ids(pp_rank, pp, schedule, per_rank)
+    group = pp_mesh.get_group()
+    modules, stages = [], []
+    for index in indices:
+        module = parallelize_stage(stage_module(model, shape, runs[index], index == 0, index == num_stages - 1))
+        modules.append(module)
+        stages.append(PipelineStage(module, index, num_stages, device, group=group))
+    cls = get_schedule_class(schedule)
+    if schedule in SINGLE_STAGE:
+        runner = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    last_pp_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids(r, pp, schedule, per_rank))
+    last_stage_rank = dist.get_global_rank(group, last_pp_rank)
+    return Pipeline(modules, indices, num_stages, runner, group, last_stage_rank)

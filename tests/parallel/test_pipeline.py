@@ -1,0 +1,129 @@
+"""Pipeline parallel (issue 56, its core): a model cut along its blocks, each rank running its stages under torch's own
+schedules, on real gloo ranks. Its losses and its parameters after 10 SGD steps are one process's (1e-5, fp32), under
+1F1B and GPipe at pp=2, with FSDP2 over the data-parallel ranks of each stage (pp=2 x dp_shard=2), at pp=4, and under
+Interleaved1F1B with 2 stages per rank; every stage keeps its blocks' own names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hydraddp.models.gpt import GPT
+from hydraddp.parallel.pipeline import NotPipelinable, cut, shape_of, stage_ids, stage_module, stages_per_rank_of
+from tests.parallel.test_meta_init import SEED, token_batches, trained
+
+DEPTH = 4
+
+
+def small_gpt() -> GPT:
+    return GPT(vocab_size=64, seq_len=16, dim=32, depth=DEPTH, heads=2)
+
+
+def causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+def test_the_cut_balances_parameters_or_follows_the_split_given():
+    assert cut([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert cut([4, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 5)]  # the largest stage as small as it can be
+    assert cut([1, 1, 1, 1], 4) == [range(i, i + 1) for i in range(4)]
+    assert cut([1, 1, 1, 1], 2, split=[3]) == [range(0, 3), range(3, 4)]
+    with pytest.raises(NotPipelinable, match="3 stages need at least 3 blocks, and the model has 2"):
+        cut([1, 1], 3)
+    with pytest.raises(NotPipelinable, match=r"the split \[0\] is not 1 increasing block indices"):
+        cut([1, 1, 1], 2, split=[0])
+
+
+def test_stages_go_one_per_rank_looped_or_in_a_v():
+    assert [stage_ids(r, 2, "1F1B") for r in range(2)] == [[0], [1]]
+    assert [stage_ids(r, 2, "Interleaved1F1B", 2) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_ids(r, 2, "ZBVZeroBubble", 2) for r in range(2)] == [[0, 3], [1, 2]]
+    assert stages_per_rank_of("GPipe", 4) == 1 and stages_per_rank_of("DualPipeV", 1) == 2
+    with pytest.raises(NotPipelinable, match="pp_stages_per_rank=1; give 2 or more"):
+        stages_per_rank_of("Interleaved1F1B", 1)
+    with pytest.raises(NotPipelinable, match="pp_schedule=2F2B is not one of torch's schedules"):
+        stages_per_rank_of("2F2B", 1)
+
+
+def test_a_stage_keeps_its_blocks_names_and_only_the_ends_it_holds():
+    model = small_gpt()
+    first = stage_module(model, shape_of(model), range(0, 2), first=True, last=False)
+    last = stage_module(model, shape_of(model), range(2, 4), first=False, last=True)
+    assert list(first.blocks) == ["0", "1"] and first.head is None and first.tok_emb is not None
+    assert list(last.blocks) == ["2", "3"] and last.tok_emb is None and last.head is not None
+    whole = set(model.state_dict())
+    assert set(first.state_dict()) | set(last.state_dict()) == whole
+    assert not set(first.state_dict()) & set(last.state_dict())
+    tokens = torch.randint(0, 64, (2, 16))
+    assert torch.equal(last(first(tokens)), model(tokens))  # the stages in a row are the model
+
+
+def test_a_model_without_a_pipeline_shape_is_refused_with_the_reason():
+    with pytest.raises(NotPipelinable, match="MLP declares no pipeline_shape"):
+        from hydraddp.models.mlp import MLP
+
+        shape_of(MLP())
+
+
+def pipelined(local_rank: int, schedule: str, pp: int, dp: int, stages_per_rank: int, microbatches: int) -> dict:
+    """10 SGD steps of the small GPT over a (pp, dp_shard) mesh: the global losses, and this rank's stages' full
+    parameters after them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hydraddp.parallel.layout import Layout
+    from hydraddp.parallel.parallelize import parallelize
+    from hydraddp.parallel.pipeline import build
+    from hydraddp.parallel.precision import precision_spec
+    from tests.distributed.workers import full_params
+
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
+    cpu = torch.device("cpu")
+
+    def parallelize_stage(stage: nn.Module) -> nn.Module:
+        if dp == 1:
+            return stage
+        layout = Layout.of(stage, "fsdp2", precision_spec("fp32"), cpu, dp, mesh=mesh["dp_shard"])
+        return parallelize(stage, layout)[0]
+
+    torch.manual_seed(SEED)
+    pipe = build(small_gpt(), mesh["pp"], schedule, microbatches, causal_lm_loss, cpu, parallelize_stage,
+                 stages_per_rank=stages_per_rank)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    dp_rank, losses = mesh["dp_shard"].get_local_rank(), []
+    for batch in token_batches():
+        share = batch.chunk(dp)[dp_rank]
+        loss = pipe.step(share, share)
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
+        losses.append(loss.item() / dp)
+    params = {}
+    for stage in pipe.stages:
+        params.update({k: v.cpu() for k, v in full_params(stage).items()})
+    return {"losses": losses, "params": params, "stages": pipe.stage_indices}
+
+
+@pytest.mark.parametrize("schedule, pp, dp, stages_per_rank, microbatches", [
+    ("1F1B", 2, 1, 1, 4),
+    ("GPipe", 2, 1, 1, 2),
+    ("1F1B", 2, 2, 1, 2),  # pp=2 x dp_shard=2: FSDP2 over each stage's two replicas of the pipeline
+    ("1F1B", 4, 1, 1, 4),
+    ("Interleaved1F1B", 2, 1, 2, 4),
+])
+def test_a_pipeline_trains_as_one_process(pools, schedule, pp, dp, stages_per_rank, microbatches):
+    torch.manual_seed(SEED)
+    expected_losses, whole = trained("gpt", small_gpt())
+    expected = whole.state_dict()
+    out = pools.run("tests.parallel.test_pipeline:pipelined", schedule, pp, dp, stages_per_rank, microbatches,
+                    nproc=pp * dp)
+    held = {}
+    for rank, seen in out.items():
+        assert seen["losses"] == pytest.approx(expected_losses, abs=1e-5), (rank, seen["losses"], expected_losses)
+        held.update(seen["params"])
+    assert set(held) == set(expected)  # every parameter on some stage, under its own name
+    worst = max((held[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, worst
+    assert sorted(i for seen in out.values() for i in seen["stages"]) == sorted(
+        i for i in range(pp * stages_per_rank) for _ in range(dp))
