@@ -1,13 +1,16 @@
 """Pipeline parallel (issue 56, its core): a model cut along its blocks, each rank running its stages under torch's own
 schedules, on real gloo ranks. Its losses and its parameters after 10 SGD steps are one process's (1e-5, fp32), under
 1F1B and GPipe at pp=2, with FSDP2 over the data-parallel ranks of each stage (pp=2 x dp_shard=2), at pp=4, and under
-Interleaved1F1B with 2 stages per rank; every stage keeps its blocks' own names."""
+Interleaved1F1B with 2 stages per rank; every stage keeps its blocks' own names, so a checkpoint written at
+pp=2 x dp_shard=2 resumes under FSDP2 at dp_shard=4 and ends where one process does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+
+from pathlib import Path
 
 from hydraddp.models.gpt import GPT
 from hydraddp.parallel.pipeline import NotPipelinable, cut, shape_of, stage_ids, stage_module, stages_per_rank_of
@@ -66,9 +69,10 @@ def test_a_model_without_a_pipeline_shape_is_refused_with_the_reason():
         shape_of(MLP())
 
 
-def pipelined(local_rank: int, schedule: str, pp: int, dp: int, stages_per_rank: int, microbatches: int) -> dict:
-    """10 SGD steps of the small GPT over a (pp, dp_shard) mesh: the global losses, and this rank's stages' full
-    parameters after them."""
+def pipelined(local_rank: int, schedule: str, pp: int, dp: int, stages_per_rank: int, microbatches: int,
+              steps: int = 10, save_to: str | None = None) -> dict:
+    """``steps`` SGD steps of the small GPT over a (pp, dp_shard) mesh: the global losses, this rank's stages' full
+    parameters after them, and (``save_to``) the checkpoint written then."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -76,6 +80,7 @@ def pipelined(local_rank: int, schedule: str, pp: int, dp: int, stages_per_rank:
     from hydraddp.parallel.parallelize import parallelize
     from hydraddp.parallel.pipeline import build
     from hydraddp.parallel.precision import precision_spec
+    from hydraddp.train import checkpoint
     from tests.distributed.workers import full_params
 
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
@@ -92,17 +97,40 @@ def pipelined(local_rank: int, schedule: str, pp: int, dp: int, stages_per_rank:
                  stages_per_rank=stages_per_rank)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     dp_rank, losses = mesh["dp_shard"].get_local_rank(), []
-    for batch in token_batches():
+    for batch in token_batches()[:steps]:
         share = batch.chunk(dp)[dp_rank]
         loss = pipe.step(share, share)
         optimizer.step()
         optimizer.zero_grad()
         dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
         losses.append(loss.item() / dp)
+    saved = str(checkpoint.save(Path(save_to), steps, pipe.stages[0], optimizer, {"config": {}})) if save_to else None
     params = {}
     for stage in pipe.stages:
         params.update({k: v.cpu() for k, v in full_params(stage).items()})
-    return {"losses": losses, "params": params, "stages": pipe.stage_indices}
+    return {"losses": losses, "params": params, "stages": pipe.stage_indices, "saved": saved}
+
+
+def resumed_under_fsdp2(local_rank: int, path: str, steps_done: int) -> dict:
+    """The small GPT under FSDP2 over every rank, resumed from ``path``, trained over the batches after
+    ``steps_done``: the global losses and the full parameters."""
+    import hydraddp.distributed as idist
+    from hydraddp.train import checkpoint
+    from tests.distributed.workers import full_params
+
+    torch.manual_seed(99)  # other weights than the checkpoint's, so that the load shows
+    world = idist.get_world_size()
+    model = idist.auto_model(small_gpt(), wrap="fsdp2", mesh_shape=(1, world, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # its momentum comes from the checkpoint
+    checkpoint.load(Path(path), model, optimizer)
+    losses = []
+    for batch in token_batches()[steps_done:]:
+        loss = causal_lm_loss(model(batch.chunk(world)[idist.get_rank()]), batch.chunk(world)[idist.get_rank()])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(idist.all_reduce(loss.detach())) / world)
+    return {"losses": losses, "params": {k: v.cpu() for k, v in full_params(model).items()}}
 
 
 @pytest.mark.parametrize("schedule, pp, dp, stages_per_rank, microbatches", [
@@ -127,3 +155,18 @@ def test_a_pipeline_trains_as_one_process(pools, schedule, pp, dp, stages_per_ra
     assert worst <= 1e-5, worst
     assert sorted(i for seen in out.values() for i in seen["stages"]) == sorted(
         i for i in range(pp * stages_per_rank) for _ in range(dp))
+
+
+def test_a_checkpoint_written_at_pp2_x_dp2_resumes_under_fsdp2_at_dp4_and_ends_as_one_process(pools, tmp_path):
+    torch.manual_seed(SEED)
+    expected_losses, whole = trained("gpt", small_gpt())
+    expected = whole.state_dict()
+    first = pools.run("tests.parallel.test_pipeline:pipelined", "1F1B", 2, 2, 1, 2, 5, str(tmp_path), nproc=4)
+    path = first[0]["saved"]
+    assert path and all(seen["saved"] == path for seen in first.values())
+    second = pools.run("tests.parallel.test_pipeline:resumed_under_fsdp2", path, 5, nproc=4)
+    for rank in range(4):
+        losses = first[rank]["losses"] + second[rank]["losses"]
+        assert losses == pytest.approx(expected_losses, abs=1e-5), (rank, losses, expected_losses)
+    worst = max((second[0]["params"][k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, worst
