@@ -16,11 +16,15 @@ under one of torch's schedules (``torch.distributed.pipelining``), torchtitan's 
 - **Each stage is parallelized** by the one pipeline every wrap goes through (``parallelize``: activation
   checkpointing, compile, then ``fully_shard`` over the data-parallel ranks of the stage): PP is cut first, as in
   torchtitan.
+- **The bubble** of each step, on each rank: the share of the step this rank's stages did not compute (their
+  forward and backward passes of each microbatch, timed as the schedule runs them; the rest is waiting for another
+  stage, and the sends and receives). 1F1B's textbook bubble is (p - 1) / (m + p - 1) for p stages and m microbatches.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +155,8 @@ class Pipeline:
     schedule: Any
     group: Any  # the pipeline's process group (the ranks of one data-parallel slice, one per stage place)
     last_stage_rank: int  # the global rank that holds the last stage
+    computing: list[float]  # seconds this rank's stages have computed, so far (``_timed``)
+    bubble: float | None = None  # the last step's bubble on this rank: the share of it not computing
 
     @property
     def first(self) -> bool:
@@ -168,7 +174,10 @@ class Pipeline:
         ``targets`` (the last stage's); every rank of the pipeline gets the mean loss of the microbatches."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.first else ()
+        computed, start = self.computing[0], time.perf_counter()
         self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None)
+        elapsed = time.perf_counter() - start
+        self.bubble = max(0.0, 1 - (self.computing[0] - computed) / elapsed) if elapsed > 0 else None
         loss = torch.stack([l.detach() for l in losses]).mean() if self.last else torch.zeros((), device=targets.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.group)
         return loss
@@ -191,11 +200,11 @@ def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
     runs = cut([sum(p.numel() for p in blocks[str(i)].parameters()) for i in range(len(blocks))], num_stages, split)
     indices = stage_ids(pp_rank, pp, schedule, per_rank)
     group = pp_mesh.get_group()
-    modules, stages = [], []
+    modules, stages, computing = [], [], [0.0]
     for index in indices:
         module = parallelize_stage(stage_module(model, shape, runs[index], index == 0, index == num_stages - 1))
         modules.append(module)
-        stages.append(PipelineStage(module, index, num_stages, device, group=group))
+        stages.append(_timed(PipelineStage(module, index, num_stages, device, group=group), computing))
     cls = get_schedule_class(schedule)
     if schedule in SINGLE_STAGE:
         runner = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
@@ -203,4 +212,22 @@ def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
         runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     last_pp_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids(r, pp, schedule, per_rank))
     last_stage_rank = dist.get_global_rank(group, last_pp_rank)
-    return Pipeline(modules, indices, num_stages, runner, group, last_stage_rank)
+    return Pipeline(modules, indices, num_stages, runner, group, last_stage_rank, computing)
+
+
+COMPUTING = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")  # a stage's own work
+
+
+def _timed(stage: Any, computing: list[float]) -> Any:
+    """``stage`` with the time of each forward and backward pass it runs added to ``computing[0]``. (The schedule
+    receives a microbatch's inputs before it calls them, and sends their outputs after: waits are not counted.)"""
+    for name in COMPUTING:
+        def timed(*args: Any, _run: Callable[..., Any] = getattr(stage, name), **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _run(*args, **kwargs)
+            finally:
+                computing[0] += time.perf_counter() - start
+
+        setattr(stage, name, timed)
+    return stage

@@ -170,3 +170,65 @@ def test_a_checkpoint_written_at_pp2_x_dp2_resumes_under_fsdp2_at_dp4_and_ends_a
         assert losses == pytest.approx(expected_losses, abs=1e-5), (rank, losses, expected_losses)
     worst = max((second[0]["params"][k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= 1e-5, worst
+
+
+
+def test_the_bubble_is_the_share_of_a_step_its_stages_did_not_compute(monkeypatch):
+    """On a clock the test moves: a step of 4 s in which the stage computed 1 s forward and 2 s backward has a bubble
+    of 1/4. (The measured bubble of a real pipeline depends on the machine's load: benchmarks measure it, tests do
+    not time anything.)"""
+    from hydraddp.parallel import pipeline
+
+    clock = [0.0]
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: clock[0])
+
+    class Stage:
+        def forward_one_chunk(self, *args):
+            clock[0] += 1
+
+        def backward_one_chunk(self, *args):
+            clock[0] += 2
+
+        backward_weight_one_chunk = backward_one_chunk
+
+    computing = [0.0]
+    stage = pipeline._timed(Stage(), computing)
+
+    class Schedule:
+        def step(self, *args, target=None, losses=None):
+            clock[0] += 1  # waiting for the other stage
+            stage.forward_one_chunk(0)
+            stage.backward_one_chunk(0)
+            losses.append(torch.tensor(2.0))
+
+    group = None
+    pipe = pipeline.Pipeline([], [0], 1, Schedule(), group, 0, computing)
+    monkeypatch.setattr(pipeline.dist, "broadcast", lambda tensor, src, group: None)
+    assert pipe.step(torch.zeros(1), torch.zeros(1)).item() == 2.0
+    assert pipe.bubble == pytest.approx(0.25) and computing == [3.0]
+
+
+def bubbles(local_rank: int, microbatches: int, steps: int) -> list[float]:
+    """Each step's bubble on this rank: 1F1B, 2 stages, ``microbatches`` of 4 sequences."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hydraddp.parallel.pipeline import build
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    torch.manual_seed(SEED)
+    pipe = build(small_gpt(), mesh["pp"], "1F1B", microbatches, causal_lm_loss, torch.device("cpu"),
+                 lambda stage: stage)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    seen = []
+    for step in range(steps):
+        batch = torch.randint(0, 64, (4 * microbatches, 16), generator=torch.Generator().manual_seed(step))
+        pipe.step(batch, batch)
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(pipe.bubble)
+    return seen
+
+
+def test_every_rank_measures_the_bubble_of_every_step(pools):
+    out = pools.run("tests.parallel.test_pipeline:bubbles", 8, 3)
+    assert all(len(seen) == 3 and all(0 <= b < 1 for b in seen) for seen in out.values()), out
