@@ -12,7 +12,6 @@ again), on any host.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
