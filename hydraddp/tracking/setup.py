@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
 from hydraddp.distributed.env import detect_launch_env
 from hydraddp import redaction
 from hydraddp.tracking import names
