@@ -76,8 +76,8 @@ def cut(sizes: Sequence[int], stages: int, split: Sequence[int] | None = None) -
     if split is not None:
         starts = [0, *split, count]
         if len(split) != stages - 1 or any(a >= b for a, b in zip(starts, starts[1:])):
-            raise NotPipelinable(f"the split {list(split)} is not {stages - 1} increasing block indices in 1..{count - 1}"
-                                 f" (the first block of each stage after the first)")
+            raise NotPipelinable(f"the split {list(split)} is not {stages - 1} increasing block indices in "
+                                 f"1..{count - 1} (the first block of each stage after the first)")
         return [range(a, b) for a, b in zip(starts, starts[1:])]
     return _balanced(list(sizes), stages)
 

@@ -3,10 +3,11 @@
 ``check`` runs every check a launch needs, in order, and returns a ``Verdict``. The config is completed and read
 once into its typed ``Settings`` (``settings``), which the rules judge: its settings and its combination of backend,
 wrap, precision and offload against this machine (``config``, applying ``parallel``'s rules, which ``auto_model``
-applies again in a worker); the tasks a cluster launcher started and the tracking server (``environment``); the checkpoint a resume starts from, ``model.pretrained``, the meta-device replay and the TP plan
-(``model``); and another launch's checkpoints in the same root, or another launch writing there now (``claim``). The
-launch's ``Job`` (``hydraddp.job``) calls it once; ``python -m hydraddp.plan`` asks ``config_problems``, the same
-checks without a job directory.
+applies again in a worker); the tasks a cluster launcher started and the tracking server (``environment``). The
+model's checks read the config as composed, and complete it with what they find: the checkpoint a resume starts
+from, ``model.pretrained``, the meta-device replay and the TP plan (``model``). Last, another launch's checkpoints
+in the same root, or another launch writing there now (``claim``). The launch's ``Job`` (``hydraddp.job``) calls
+it once; ``python -m hydraddp.plan`` asks ``config_problems``, the same checks without a job directory.
 
 ``cfg`` is completed in place: ``backend=auto`` and ``launcher.nproc_per_node=auto`` decided, a pretrained
 directory's sizes, and the checkpoint a resume (or a preempted job's relaunch) starts from, with the MLflow run it

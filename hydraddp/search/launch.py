@@ -50,9 +50,9 @@ def trial_output(job_dir: Path) -> list[str]:
 def run_trial(command: list[str], job_dir: Path, spec: dict[str, Any], metrics: list[str],
               env: dict[str, str] | None = None, budget: Budget | None = None) -> dict[str, Any]:
     """One trial: ``command`` (``python -m hydraddp`` with the sweeper's launch arguments and the trial's values)
-    writing in ``job_dir``, with ``env`` added to the sweeper's environment; its result (``handoff.launch_result``) and the
-    last value of each of ``metrics``, or why it failed (an exit 2 gives its message). With a ``budget``, a trial
-    whose plan does not fit it is not launched: ``{"status": "over_budget", ...}``, in seconds."""
+    writing in ``job_dir``, with ``env`` added to the sweeper's environment; its result (``handoff.launch_result``)
+    and the last value of each of ``metrics``, or why it failed (an exit 2 gives its message). With a ``budget``, a
+    trial whose plan does not fit it is not launched: ``{"status": "over_budget", ...}``, in seconds."""
     if budget is not None:
         over = budget.exceeded()
         if over:

@@ -10,8 +10,8 @@ PATH is either
   in a new MLflow run tagged ``hydraddp.pretrained``.
 
 The launch checks PATH against the model of the config (``models.of_config``), on the meta device, before any worker
-starts (``preflight.model.model_problems``, with ``handoff.pretrained.mismatch``); the workers load it after wrapping (``load``), where a
-resume would have loaded a checkpoint instead.
+starts (``preflight.model.model_problems``, with ``handoff.pretrained.mismatch``); the workers load it after wrapping
+(``load``), where a resume would have loaded a checkpoint instead.
 """
 
 from __future__ import annotations
