@@ -40,7 +40,7 @@ say() { echo "slurm_test: [$(( $(date +%s) - started )) s] $*"; }
 source scripts/docker_lib.sh
 PROJECT=hydraddp-slurm-test
 
-cluster_up=0
+cluster_up=0 check_log=""
 compose() {
   docker compose --project-name "$PROJECT" --env-file "$WORK/.env" \
     -f "$REPO/deploy/slurm/compose.yml" -f "$WORK/slurm-override.yml" "$@"
@@ -51,7 +51,9 @@ cleanup() {
   if [ "$cluster_up" = 1 ]; then
     if [ "$status" != 0 ]; then
       echo "slurm_test: the Slurm daemons' last lines:" >&2  # MLflow's access log would bury them
-      compose logs --no-color --tail 25 ctl c1 c2 >&2 2>&1 || true
+      compose logs --no-color --tail 15 ctl c1 c2 >&2 2>&1 || true
+      # Again after the daemons' lines, so that CI's tail of this output ends with what the check said.
+      [ -z "$check_log" ] || { echo "slurm_test: the failed check's last lines:" >&2; tail -n 25 "$check_log" >&2; }
     fi
     compose down -v --remove-orphans > /dev/null 2>&1 || true
   fi
@@ -90,6 +92,10 @@ say "the cluster is up: c1 and c2 idle, sacct answers"
 # -- the checks, each on the login node --------------------------------------------------------------------------------
 for check in "${checks[@]}"; do
   say "check $check"
-  on_ctl python "/cluster/hydraddp/scripts/slurm_checks/$check.py"
+  check_log="$WORK/$check.log"
+  code=0
+  on_ctl python "/cluster/hydraddp/scripts/slurm_checks/$check.py" 2>&1 | tee "$check_log" || code=${PIPESTATUS[0]}
+  [ "$code" = 0 ] || { say "check $check FAILED (exit $code)"; exit "$code"; }
+  check_log=""
   say "check $check passed"
 done

@@ -73,11 +73,13 @@ REQUEUE_WAIT_S = 30.0
 def requeue(rank: int, exit_code: int, stop_signal: str) -> str:
     """After a preemption checkpoint: rank 0 asks submitit to requeue the job (its handler exits this process), and
     returns only when submitit will not (a job that timed out ``max_num_timeout`` times): why, for the launch's
-    outcome, which then ends as a preempted launch (its checkpoint resumes). The other ranks exit with ``exit_code``;
-    on Slurm only once the requeue stopped them, or after ``REQUEUE_WAIT_S``: a task that ended first, non-zero, could
-    end the job FAILED before rank 0's `scontrol requeue` (seen on a real Slurm: the submitting side then read the job
-    FAILED and raised). submitit's own handler leaves them running for the same reason ("it might kill the master
-    task").
+    outcome, which then ends as a preempted launch (its checkpoint resumes). The other ranks wait for the requeue to
+    stop them: a task that ended first, non-zero, could end the job FAILED before rank 0's `scontrol requeue` (seen on
+    a real Slurm: the submitting side then read the job FAILED and raised). submitit's own handler leaves them running
+    for the same reason ("it might kill the master task"). On Slurm a rank still running after ``REQUEUE_WAIT_S`` was
+    not requeued: it leaves a result, as a task that returned does, then exits with ``exit_code`` (the job FAILED for
+    Slurm: it did not finish its training). Exiting without a result made the submitting side wait for that task's
+    until Slurm's time limit and submitit's polling ended it (minutes, on a real Slurm).
 
     Slurm's own SIGTERM (an outside `scontrol requeue`, a preemption, `scancel`, the end of the time limit) is not
     answered with a requeue: Slurm is ending this attempt itself, and requeues the job when it is to come back. Asking
@@ -105,6 +107,7 @@ def requeue(rank: int, exit_code: int, stop_signal: str) -> str:
         import time
 
         time.sleep(REQUEUE_WAIT_S)  # the requeue's SIGKILL ends it first (submitit ignores its SIGTERM)
+        _save_result("success", f"hydraddp: rank {rank} was preempted, and not requeued")
     sys.exit(exit_code)
 
 
@@ -136,15 +139,20 @@ def fail(rank: int, exit_code: int, reason: str) -> NoReturn:
     Raising from the task function cannot do it: Hydra's ``run_job`` catches the function's exceptions and returns
     them in a ``JobReturn``, which submitit then pickles as a success. (A preempted task is not failed: submitit
     requeues it, ``requeue``.)"""
-    from submitit import JobEnvironment
-    from submitit.core import utils
     from submitit.core.logger import get_logger
 
-    message = f"hydraddp: rank {rank}'s launch ended with exit {exit_code}: {reason}"
-    with utils.temporary_save_path(JobEnvironment().paths.result_pickle) as tmppath:  # as submitit writes it
-        utils.cloudpickle_dump(("error", message), tmppath)
+    _save_result("error", f"hydraddp: rank {rank}'s launch ended with exit {exit_code}: {reason}")
     get_logger().error(f"Job failed: exit {exit_code} (see above)")  # in the task's log, where submitit logs its own
     sys.exit(exit_code)
+
+
+def _save_result(outcome: str, value: Any) -> None:
+    """This task's result, as submitit writes it (``outcome``: "success" or "error"), for the submitting side."""
+    from submitit import JobEnvironment
+    from submitit.core import utils
+
+    with utils.temporary_save_path(JobEnvironment().paths.result_pickle) as tmppath:
+        utils.cloudpickle_dump((outcome, value), tmppath)
 
 
 def every_job(launch: Callable[..., Any]) -> Callable[..., Any]:

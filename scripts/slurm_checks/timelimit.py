@@ -1,10 +1,11 @@
-"""A time limit reached, through hydra/launcher=slurm: a job of 2 nodes x 1 task with timeout_min=1,
-signal_delay_s=30 and max_num_timeout=1 that would train far longer. Before its limit Slurm sends USR2 (up to a minute
-early, as Slurm warns: submitit counts every signal to a job this short as a time-out). The first time, every rank
-checkpoints one step and the job is requeued under the same job id, and resumes into the same MLflow run
-(hydraddp.requeued 1). The second time it has timed out max_num_timeout times: it is not requeued again, the
-command exits 3 (preempted: the same command resumes) naming the cause, the run ends KILLED with its last checkpoint,
-and no task is left."""
+"""A time limit reached, through hydra/launcher=slurm: a job of 2 nodes x 1 task with timeout_min=2,
+signal_delay_s=60 and max_num_timeout=1 that would train far longer. Before its limit Slurm sends USR2: slurmctld
+looks every 30 s, so 60 to 90 s before the limit, 30 to 60 s into the job (with signal_delay_s=30 and a 1-minute
+limit the signal could come at once, before a loaded machine had started the workers: nothing to checkpoint yet, and
+the job requeued without one). The first time, every rank checkpoints one step and the job is requeued under the same
+job id, and resumes into the same MLflow run (hydraddp.requeued 1). The second time it has timed out max_num_timeout
+times: it is not requeued again, the command exits 3 (preempted: the same command resumes) naming the cause, the run
+ends KILLED with its last checkpoint, and no task is left."""
 
 import re
 import subprocess
@@ -27,25 +28,29 @@ def state(job: str) -> str:
 
 
 (HOME / CHECK).mkdir(parents=True, exist_ok=True)
-print("$ python -m hydraddp hydra/launcher=slurm hydra.launcher.timeout_min=1 ... (in the background)", flush=True)
+print("$ python -m hydraddp hydra/launcher=slurm hydra.launcher.timeout_min=2 ... (in the background)", flush=True)
 launch = subprocess.Popen(["python", "-m", "hydraddp", "hydra/launcher=slurm", "launcher.nnodes=2",
                            "launcher.nproc_per_node=1", "backend=gloo", "wrap=ddp", "trainer.max_steps=1000000",
                            "trainer.log_every=50", "trainer.eval_every=0", "plan.record=false",
-                           "tracking.model.enabled=false", "hydra.launcher.timeout_min=1",
-                           "hydra.launcher.signal_delay_s=30", "hydra.launcher.max_num_timeout=1",
+                           "tracking.model.enabled=false", "hydra.launcher.timeout_min=2",
+                           "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=1",
                            "tracking.uri=http://mlflow:5000", f"tracking.experiment={EXPERIMENT}"],
                           cwd=HOME / CHECK, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+started = time.monotonic()
+marks = {}
 try:
-    deadline = time.monotonic() + 180
+    deadline = started + 180
     # Until the job ran (rank 0 logged) and is PENDING again.
     while not rank0_log() or state(submitit_job_ids(CHECK)[0]) != "PENDING":
         if launch.poll() is not None or time.monotonic() > deadline:
             fail(CHECK, f"the job was not requeued at its first signal; rank 0's log ends:\n{rank0_log()[-2000:]}")
         time.sleep(0.5)
     [job] = submitit_job_ids(CHECK)
+    marks["requeued"] = time.monotonic() - started
     # A requeued job waits about two minutes (its BeginTime) before it starts again: start it now.
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
     out = launch.communicate(timeout=240)[0]
+    marks["command ended"] = time.monotonic() - started
 finally:
     if launch.poll() is None:
         launch.kill()
@@ -58,6 +63,7 @@ if launch.returncode != 3 or "not requeued because: timed-out too many times" no
 if len(resumed) != 1:
     fail(CHECK, f"rank 0 resumed {len(resumed)} times, not once")
 accounted = sacct_when_ended(job, timeout=120).get(job, {}).get("State", "")
+marks["Slurm ended the job"] = time.monotonic() - started
 left = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
 if left:
     fail(CHECK, f"job {job} is still in the queue: {left}")
@@ -69,4 +75,5 @@ if requeued != "1" or status != "KILLED":
                 f"rank 0's log ends:\n{log[-2500:]}\n{task_logs}")
 print(f"slurm check {CHECK}: job {job} requeued once at its first time-limit signal and resumed from step "
       f"{resumed[0]}; at the second it was not requeued (max_num_timeout=1): sacct {accounted}, the run "
-      f"{record['info']['run_id']} KILLED, the command exit 3", flush=True)
+      f"{record['info']['run_id']} KILLED, the command exit 3 ("
+      + ", ".join(f"{what} at {at:.0f} s" for what, at in marks.items()) + ")", flush=True)
