@@ -137,6 +137,13 @@ class MeshConfig:
     dp_replicate: int = 1  # data-parallel replicas (HSDP across nodes: each holds the model sharded dp_shard ways)
     dp_shard: int = -1  # data-parallel shards; -1: the ranks left
     tp: int = 1  # tensor-parallel ranks (within a node)
+    pp: int = 1  # pipeline stages' places: the model cut along its blocks (hydraddp/parallel/pipeline.py)
+    # torch's schedule: 1F1B, GPipe; Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (pp_stages_per_rank each);
+    # ZBVZeroBubble, DualPipeV (two stages per rank, in a V)
+    pp_schedule: str = "1F1B"
+    pp_microbatches: Optional[int] = None  # microbatches of each step; null: one per stage
+    pp_stages_per_rank: int = 1  # the looped schedules' stages on each rank (2 or more)
+    pp_split: Optional[List[int]] = None  # the first block of each stage after the first; null: balanced by size
 
 
 @dataclass

@@ -153,12 +153,15 @@ def mesh_problems(settings: Settings) -> list[Problem]:
     try:
         shape = settings.mesh.resolved(world)
     except ValueError as exc:
-        return [Problem(MESH_KEYS, f"{exc}.",
-                        f"Make mesh.dp_replicate x mesh.dp_shard x mesh.tp the world size ({world}), or leave "
-                        "mesh.dp_shard=-1 (the ranks left).")]
+        keys = ("mesh.pp", *MESH_KEYS) if settings.mesh.pp > 1 else MESH_KEYS
+        return [Problem(keys, f"{exc}.",
+                        f"Make {' x '.join(keys)} the world size ({world}), or leave mesh.dp_shard=-1 (the ranks "
+                        "left).")]
     if not shape.multi_dimensional:
         return []
     wrap = resolve_wrap(combo)
+    if shape.pp > 1:
+        return _pipeline_problems(settings, shape, wrap)
     if shape.tp > 1 and wrap == "fsdp2":
         return _tp_problems(settings, shape)
     if wrap == "ddp" and shape.dp_replicate == world and shape.tp == 1:
@@ -170,6 +173,38 @@ def mesh_problems(settings: Settings) -> list[Problem]:
                         f"fully_shard and a device mesh, and wrap={wrap} has one data-parallel dimension"
                         f"{' (DDP: mesh.dp_replicate equal to the world size)' if wrap == 'ddp' else ''}.",
                         "Use wrap=fsdp2, or leave mesh.* at its defaults.")]
+    return []
+
+
+def _pipeline_problems(settings: Settings, shape: MeshShape, wrap: str) -> list[Problem]:
+    """Pipeline parallel's own limits: its wraps, its schedule, its microbatches against each pipeline's batch."""
+    from hydraddp.parallel.pipeline import NotPipelinable, stages_per_rank_of
+
+    mesh = settings.config.mesh
+    if wrap not in ("fsdp2", "none") or (wrap == "none" and shape.dp > 1):
+        return [Problem(("mesh.pp", "wrap"),
+                        f"mesh.pp={shape.pp} with wrap={wrap}: each pipeline stage is sharded over its data-parallel "
+                        "ranks by FSDP2's fully_shard (torchtitan's PP x FSDP2), which ddp, fsdp (FSDP1), dp and "
+                        "horovod do not do per stage.",
+                        "Use wrap=fsdp2 (or wrap=none with no data parallel), or leave mesh.pp=1.")]
+    if shape.tp > 1:
+        return [Problem(("mesh.pp", "mesh.tp"), f"mesh {shape.describe()}: tensor parallel inside pipeline stages "
+                        "is not built yet.", "Use mesh.pp or mesh.tp, not both.")]
+    try:
+        stages = shape.pp * stages_per_rank_of(mesh.pp_schedule, mesh.pp_stages_per_rank)
+    except NotPipelinable as exc:
+        return [Problem(("mesh.pp_schedule", "mesh.pp_stages_per_rank"), f"{exc}.",
+                        "Set mesh.pp_schedule=1F1B (one stage per rank), or Interleaved1F1B with "
+                        "mesh.pp_stages_per_rank=2.")]
+    microbatches = mesh.pp_microbatches or stages
+    per_pipeline = settings.config.data.batch_size // shape.dp
+    if microbatches < stages or per_pipeline % microbatches:
+        return [Problem(("mesh.pp_microbatches", "data.batch_size"),
+                        f"mesh.pp_microbatches={microbatches}: each pipeline's batch of {per_pipeline} "
+                        f"(data.batch_size={settings.config.data.batch_size} over {shape.dp} data-parallel ranks) "
+                        f"must split into at least {stages} microbatches (one per stage) of equal size.",
+                        f"Set mesh.pp_microbatches to a divisor of {per_pipeline} of at least {stages}, or change "
+                        "data.batch_size.")]
     return []
 
 
