@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 import hydraddp.distributed as idist
@@ -39,10 +39,17 @@ def wrap_kwargs(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
 SHARDING_WRAPS = ("fsdp", "fsdp2")
 
 
+def pipeline_stages(cfg: DictConfig) -> int:
+    """``mesh.pp``: the places of a pipeline's stages (1: no pipeline; a config without a mesh has none)."""
+    return int(OmegaConf.select(cfg, "mesh.pp", default=1))
+
+
 def data_mesh(cfg: DictConfig) -> MeshShape | None:
     """The mesh whose data-parallel ranks split the data (``train.data.readers``): fsdp2's, whose TP groups each read
-    one share of a batch; None (every rank its own share) under the other wraps."""
-    return MeshShape.of(cfg.mesh).resolved(idist.get_world_size()) if cfg.wrap.name == "fsdp2" else None
+    one share of a batch, and a pipelined one's, whose pipelines do; None (every rank its own share) otherwise."""
+    if cfg.wrap.name == "fsdp2" or pipeline_stages(cfg) > 1:
+        return MeshShape.of(cfg.mesh).resolved(idist.get_world_size())
+    return None
 
 
 def tp_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -57,6 +64,8 @@ def build_path(cfg: DictConfig, model: nn.Module | None = None) -> str:
     is never replayed, counts as whole."""
     init_device = cfg.model.get("init_device", "auto")
     if init_device == "cpu" or (init_device == "auto" and cfg.wrap.name not in SHARDING_WRAPS):
+        return "whole"
+    if pipeline_stages(cfg) > 1:  # the stages are cut from the whole model (a stage built on meta: not yet)
         return "whole"
     if model is not None and init_device == "auto" and meta_init.shared_tensors(model):
         return "whole"

@@ -118,11 +118,11 @@ def launch(job: Job, events_path: Path | None = None) -> tuple[int, dict[str, An
 def plan_recording(job: Job) -> Any:
     """The launch's plan for its MLflow run (``plan.record``; ``hydraddp.plan.record.Recording``), made beside the
     workers: forked where they are forked, so that it starts with torch imported; None for a wrap the simulated world
-    does not run (DataParallel's replicas, Horovod's ranks)."""
+    does not run (DataParallel's replicas, Horovod's ranks), and for pipeline stages, which the plan does not cut."""
     from hydraddp.plan.record import PLANNED_WRAPS, Recording
     from hydraddp.tracking.names import PLAN_FILE
 
-    if job.wrap not in PLANNED_WRAPS:
+    if job.wrap not in PLANNED_WRAPS or job.config.get("mesh", {}).get("pp", 1) > 1:
         return None
     forked = idist.detect_launch_env() is None and idist.worker_start_method(job.config["backend"]["name"]) == "fork"
     return Recording(job.saved_config, job.world_size, job.job_dir / PLAN_FILE, fork=forked)

@@ -101,14 +101,16 @@ def check_readable(path: Path) -> dict[str, Any]:
                               "Resume from another checkpoint (checkpoint.resume=PATH).") from None
 
 
-def check_matches(path: Path, expected: dict[str, Any]) -> None:
+def check_matches(path: Path, expected: dict[str, Any], part: bool = False) -> None:
     """Refuse a checkpoint of another model (``expected``: ``{"model": state_dict, ...}``), naming the first keys (or
-    shapes) that differ. Every model key must be there; what else both hold (optimizer state) must have its shape."""
+    shapes) that differ. Every model key must be there; what else both hold (optimizer state) must have its shape.
+    ``part``: ``expected`` is part of the model (a pipeline stage), and the checkpoint's other keys are the other
+    parts' (the preflight matched the whole model)."""
     saved = {k: tuple(v.size) for k, v in check_readable(path).items() if getattr(v, "size", None) is not None}
     wanted = fit.shapes({k: v for k, v in names.flatten(expected).items() if isinstance(v, torch.Tensor)})
 
     def of_model(state: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        return {k: v for k, v in state.items() if k.startswith("model.")}
+        return {k: v for k, v in state.items() if k.startswith("model.") and (not part or k in wanted)}
 
     both = {k: v for k, v in saved.items() if k in wanted and not k.startswith("model.")}
     wrong = fit.mismatch(of_model(saved), of_model(wanted)) or fit.mismatch(both, {k: wanted[k] for k in both})

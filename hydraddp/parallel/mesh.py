@@ -100,8 +100,9 @@ class MeshShape:
 
 
 def realized(shape: MeshShape, wrap: str, world_size: int) -> MeshShape | None:
-    """The mesh ``wrap`` runs on: ``shape`` resolved under fsdp2, every rank a replica under ddp, none otherwise."""
-    if wrap == "fsdp2":
+    """The mesh ``wrap`` runs on: ``shape`` resolved under fsdp2 or with pipeline stages, every rank a replica under
+    ddp, none otherwise."""
+    if wrap == "fsdp2" or shape.pp > 1:
         return shape.resolved(world_size)
     return MeshShape(world_size, 1, 1) if wrap == "ddp" else None
 

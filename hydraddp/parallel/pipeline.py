@@ -154,9 +154,13 @@ class Pipeline:
     num_stages: int
     schedule: Any
     group: Any  # the pipeline's process group (the ranks of one data-parallel slice, one per stage place)
-    last_stage_rank: int  # the global rank that holds the last stage
+    holders: dict[int, int]  # each stage's rank (global)
     computing: list[float]  # seconds this rank's stages have computed, so far (``_timed``)
     bubble: float | None = None  # the last step's bubble on this rank: the share of it not computing
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.holders[self.num_stages - 1]
 
     @property
     def first(self) -> bool:
@@ -210,9 +214,9 @@ def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
         runner = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     else:
         runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    last_pp_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids(r, pp, schedule, per_rank))
-    last_stage_rank = dist.get_global_rank(group, last_pp_rank)
-    return Pipeline(modules, indices, num_stages, runner, group, last_stage_rank, computing)
+    holders = {stage: dist.get_global_rank(group, rank) for rank in range(pp)
+               for stage in stage_ids(rank, pp, schedule, per_rank)}
+    return Pipeline(modules, indices, num_stages, runner, group, holders, computing)
 
 
 COMPUTING = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")  # a stage's own work

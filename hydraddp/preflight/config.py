@@ -196,6 +196,13 @@ def _pipeline_problems(settings: Settings, shape: MeshShape, wrap: str) -> list[
         return [Problem(("mesh.pp_schedule", "mesh.pp_stages_per_rank"), f"{exc}.",
                         "Set mesh.pp_schedule=1F1B (one stage per rank), or Interleaved1F1B with "
                         "mesh.pp_stages_per_rank=2.")]
+    if stages > shape.pp:
+        return [Problem(("mesh.pp_schedule",), f"mesh.pp_schedule={mesh.pp_schedule} runs several stages on each "
+                        "rank; training runs one stage per rank for now (a rank's stages are not yet one model to "
+                        "checkpoint).", "Set mesh.pp_schedule=1F1B or GPipe.")]
+    found = _pipeline_limits(settings, shape)
+    if found:
+        return found
     microbatches = mesh.pp_microbatches or stages
     per_pipeline = settings.config.data.batch_size // shape.dp
     if microbatches < stages or per_pipeline % microbatches:
@@ -206,6 +213,24 @@ def _pipeline_problems(settings: Settings, shape: MeshShape, wrap: str) -> list[
                         f"Set mesh.pp_microbatches to a divisor of {per_pipeline} of at least {stages}, or change "
                         "data.batch_size.")]
     return []
+
+
+def _pipeline_limits(settings: Settings, shape: MeshShape) -> list[Problem]:
+    """What pipeline stages do not combine with yet, each with its reason."""
+    config = settings.config
+    limits = [
+        (shape.dp_replicate > 1, ("mesh.pp", "mesh.dp_replicate"), "HSDP inside pipeline stages is not built yet",
+         "Use mesh.dp_shard for the data-parallel ranks of each stage."),
+        (config.precision.name == "fp16", ("mesh.pp", "precision"), "fp16's gradient scaler is not run across "
+         "pipeline stages", "Use precision=bf16 or fp32."),
+        (config.trainer.accumulate_grad_batches > 1, ("mesh.pp", "trainer.accumulate_grad_batches"),
+         "a pipeline accumulates over its microbatches already", "Set mesh.pp_microbatches instead, and "
+         "trainer.accumulate_grad_batches=1."),
+        (dict(config.model or {}).get("init_device") == "meta",
+         ("mesh.pp", "model.init_device"), "the stages are cut from the model built whole (stages built on meta: "
+         "not yet)", "Set model.init_device=auto or cpu."),
+    ]
+    return [Problem(keys, f"mesh.pp={shape.pp}: {why}.", fix) for refused, keys, why, fix in limits if refused]
 
 
 def _tp_problems(settings: Settings, shape: MeshShape) -> list[Problem]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hydraddp.parallel.combinations import Problem
 from hydraddp.tracking import names
@@ -82,7 +82,8 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     found = pretrained_problems(cfg, overrides)
     pretrained, meta = cfg.model.get("pretrained"), cfg.model.get("init_device") == "meta"
     tp = cfg.mesh.tp if cfg.wrap.name == "fsdp2" and cfg.mesh.tp > 1 else 1
-    if found or (not pretrained and not meta and tp == 1):
+    pp = OmegaConf.select(cfg, "mesh.pp", default=1)
+    if found or (not pretrained and not meta and tp == 1 and pp == 1):
         return found  # the usual case: no torch import before the tracker starts
     from hydraddp.parallel import meta_init
     from hydraddp.models.of_config import model_factory, model_of
@@ -97,9 +98,26 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     if wrong:
         return [Problem(("model.pretrained",), f"model.pretrained={pretrained} does not fit this model: {wrong}. "
                         "Start from weights of the same architecture and sizes.", "")]
+    if pp > 1:  # the model's blocks, cut into the stages asked for
+        return _pipeline_problems(cfg, model)
     if tp > 1:  # the model's plan, and every size it splits, against mesh.tp
         from hydraddp.build import tp_kwargs
         from hydraddp.parallel.tp import tp_problems
 
         return tp_problems(model, tp, tp_kwargs(cfg).get("tp_plan"))
+    return []
+
+
+def _pipeline_problems(cfg: DictConfig, model: Any) -> list[Problem]:
+    """The model has a pipeline shape, and its blocks cut into the stages asked for (``mesh.pp_split`` if given)."""
+    from hydraddp.parallel.pipeline import NotPipelinable, cut, shape_of, stages_per_rank_of
+
+    try:
+        blocks = getattr(model, shape_of(model).blocks)
+        stages = cfg.mesh.pp * stages_per_rank_of(cfg.mesh.pp_schedule, cfg.mesh.pp_stages_per_rank)
+        split = list(cfg.mesh.pp_split) if cfg.mesh.pp_split else None
+        cut([sum(p.numel() for p in blocks[str(i)].parameters()) for i in range(len(blocks))], stages, split)
+    except NotPipelinable as exc:
+        return [Problem(("mesh.pp", "model"), f"mesh.pp={cfg.mesh.pp}: {exc}.",
+                        "Use a model with a pipeline_shape (model=gpt), fewer stages, or mesh.pp=1.")]
     return []

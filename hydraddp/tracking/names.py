@@ -13,7 +13,7 @@ CONTRACT_TAGS = (TAG_BACKEND, TAG_WRAP, TAG_PRECISION, TAG_OFFLOAD, TAG_WORLD_SI
 # On a resumed run: a JSON list, one entry per resume, of the checkpoint and step it resumed from and the
 # contract tags the run had until then (the tags themselves always say what the run runs with now).
 TAG_RESUMED_FROM = "hydraddp.resumed_from"
-TAG_MESH = "hydraddp.mesh"  # fsdp2 and ddp: the device mesh, e.g. dp_replicate=2,dp_shard=2,tp=1
+TAG_MESH = "hydraddp.mesh"  # fsdp2, ddp, pipeline stages: the device mesh, e.g. dp_replicate=2,dp_shard=2,tp=1
 TAG_PRETRAINED = "hydraddp.pretrained"  # model.pretrained: the weights the run started from (a path)
 TAG_MODEL, TAG_TASK = "hydraddp.model", "hydraddp.task"  # the _target_ classes of the model and the task
 TAG_PREEMPTED = "hydraddp.preempted"  # JSON: the step, checkpoint and signal of the latest preemption
@@ -27,6 +27,7 @@ TAG_PARENT = "mlflow.parentRunId"
 
 LOSS, SAMPLES_PER_S, STEP_TIME_S, MFU = "train/loss", "perf/samples_per_s", "perf/step_time_s", "perf/mfu"
 STARTUP_S = "perf/startup_s"  # from the launch command to the end of the first optimizer step
+PP_BUBBLE = "perf/pp_bubble"  # under pipeline parallel: the share of the last step the tracking rank's stage waited
 RUN_ID_FILE = "mlflow_run_id"  # in the job directory, once the tracker has created (or continued) the run
 LAUNCHED_AT_ENV = "HYDRADDP_LAUNCHED_AT"  # the command's start (time.time()), set for the workers to inherit
 EVAL_LOSS, EVAL_ACCURACY = "eval/loss", "eval/accuracy"

@@ -243,10 +243,11 @@ def _publish(tmp: Path, final: Path, launch: str | None) -> None:
     tmp.rename(final)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: bool = False) -> Resumed:
     """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
     size wrote it (a collective). Returns the step, the metadata and this rank's saved RNG states, which
-    the caller restores (``rng.restore``) once its data loader is ready."""
+    the caller restores (``rng.restore``) once its data loader is ready. ``part``: ``model`` is a pipeline stage,
+    which loads its own keys of the whole model's checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -254,7 +255,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resu
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates, sharded as this run shards them
     optim_tensors, param_groups = _split_optimizer(optim_sd)
     state = {"model": model_sd, "optim": optim_tensors}
-    check_matches(path, state)
+    check_matches(path, state, part)
     try:
         dcp.load(state, storage_reader=reader(path), no_dist=not _distributed())
     except Exception as exc:

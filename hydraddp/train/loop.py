@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +22,7 @@ from torch import nn
 
 import hydraddp.distributed as idist
 from hydraddp.build import flops_per_token as model_flops_per_token
-from hydraddp.build import data_mesh, instantiate_model, wrap_model
+from hydraddp.build import data_mesh, instantiate_model, pipeline_stages, wrap_model
 from hydraddp.parallel.precision import precision_spec
 from hydraddp.config.instantiate import instantiate
 from hydraddp import redaction
@@ -30,10 +30,12 @@ from hydraddp.handoff.preemption import signal_name, write_marker
 from hydraddp.handoff.trial import TAG_PRUNED, TAG_PRUNED_STEP, TRIAL_ENV, TrialReporter, describe as describe_trial
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter, write_report
-from hydraddp.train import checkpoint, data, inputs, model_snapshot, preemption, pretrained, resume, rng, tasks
+from hydraddp.train import (checkpoint, data, inputs, model_snapshot, pipelined, preemption, pretrained, resume, rng,
+                            tasks)
 from hydraddp.train.logs import ConsoleHandler
 from hydraddp.train.metrics import StepLog, TensorPeak, Throughput, peak_flops, peak_memory_bytes
 from hydraddp.train.optim import parameter_groups
+from hydraddp.train.evaluation import evaluate
 from hydraddp.train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -68,49 +70,6 @@ class TrainResult:
 
 def _shown(metrics: dict[str, float]) -> str:
     return ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
-
-
-class Evaluation(NamedTuple):
-    metrics: dict[str, float]  # the task's, e.g. loss and accuracy, or loss and perplexity
-    samples: int  # every sample of the eval set exactly once, summed over the ranks
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device, task: Any = None, copies: int = 1) -> Evaluation:
-    """The task's metrics over the eval set: every rank's sums added in one all-reduce, then summarized. ``copies``:
-    how many ranks read each batch (the ranks of a TP group), whose sums count once.
-
-    Every rank runs the same number of forwards: a sharded model's forward holds collectives (FSDP's all-gathers),
-    and a rank that ran out of batches while another still gathered crashed the group (a hang on nccl). A rank
-    whose shard is shorter, or empty, runs forwards on a batch that counts for nothing until the longest is done."""
-    task = task if task is not None else tasks.Classification()
-    model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    samples = 0
-    batches = len(loader)
-    longest = int(idist.all_reduce(batches, op="MAX"))
-    spare = None
-    for batch in loader:
-        batch = tasks.to_device(batch, device)
-        spare = batch if spare is None else spare
-        samples += tasks.batch_size(batch)
-        for key, value in tasks.eval_sums(task, model, batch).items():
-            sums[key] = sums.get(key, 0) + value.detach().to(device, torch.float64)
-    if batches < longest:
-        spare = spare if spare is not None else tasks.to_device(_one_sample_batch(loader), device)
-        for _ in range(longest - batches):
-            tasks.eval_sums(task, model, spare)  # the same collectives as the other ranks' forwards; counts nothing
-    model.train()
-    # A rank whose shard is empty has no keys yet: every rank reduces the same keys, in the same order.
-    keys = sorted({key for rank_keys in idist.all_gather(sorted(sums)) for key in rank_keys})
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    totals = (idist.all_reduce(torch.stack([*(sums.get(k, zero) for k in keys), zero + samples])) / copies).tolist()
-    return Evaluation(tasks.summarize(task, dict(zip(keys, totals))), int(totals[-1]))
-
-
-def _one_sample_batch(loader) -> Any:
-    """A batch of the eval set's first sample, for a rank whose shard is empty (more ranks than samples)."""
-    return loader.collate_fn([loader.dataset[0]])
 
 
 def _launched_at() -> float | None:
@@ -150,8 +109,14 @@ class _Parts:
     model_class: str  # what the model's _target_ built, before any wrapper
     train_set: Any
     eval_set: Any
-    tp: int = 1  # the ranks of a TP group, which read (and count) the same batch
+    copies: int = 1  # the ranks that read (and count) the same batch: a TP group's, a pipeline's
     data_rank: int = 0  # this rank's data-parallel rank (``data.readers``): which share it reads, whose seeds it draws
+    pipe: Any = None  # under pipeline parallel, this rank's stage and the schedule (``model`` is the stage)
+
+    @property
+    def whole_model(self) -> nn.Module:
+        """What evaluation and the logged model run: the model, or the pipeline's stages in turn."""
+        return pipelined.Forward(self.pipe) if self.pipe is not None else self.model
 
 
 def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
@@ -160,7 +125,13 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     bare = instantiate_model(cfg)
     model_class = f"{type(bare).__module__}.{type(bare).__qualname__}"  # before FSDP2 swaps the class in place
     flops_per_token = model_flops_per_token(bare)
-    model, _ = wrap_model(cfg, bare)
+    task = instantiate(cfg.task, "task")
+    pipe = None
+    if pipeline_stages(cfg) > 1:  # cut first, then each stage sharded (torchtitan's order)
+        pipe = pipelined.build(cfg, bare, task, idist.device(), idist.get_world_size())
+        model = pipe.stages[0]  # one stage per rank (the preflight's rule)
+    else:
+        model, _ = wrap_model(cfg, bare)
     params = parameter_groups(model, cfg.optim.no_decay_norm_and_bias)
     # model= lets Horovod's DistributedOptimizer name the gradients it reduces; it reduces after the last of the
     # accumulated backward passes (both ignored elsewhere).
@@ -178,11 +149,11 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
         log.info("weights loaded from %s", cfg.model.pretrained)
     train_set, eval_set = instantiate(cfg.data.dataset, "data.dataset")
     mesh = data_mesh(cfg)
-    return _Parts(model, optimizer, scheduler, scaler, instantiate(cfg.task, "task"),
+    return _Parts(model, optimizer, scheduler, scaler, task,
                   data.train_loader(train_set, cfg.data.batch_size, cfg.data.num_workers, cfg.trainer.seed, mesh),
                   data.eval_loader(eval_set, cfg.data.eval_batch_size, cfg.data.num_workers, mesh), resumed,
-                  flops_per_token, model_class, train_set, eval_set, mesh.tp if mesh is not None else 1,
-                  data.readers(mesh)[0])
+                  flops_per_token, model_class, train_set, eval_set, mesh.tp * mesh.pp if mesh is not None else 1,
+                  data.readers(mesh)[0], pipe)
 
 
 def _after_first_step(parts: _Parts, result: TrainResult, step: int, job_dir: Path | None,
@@ -211,10 +182,13 @@ def _after_measured_step(peak: TensorPeak, result: TrainResult, step: int, event
 
 
 def _perf(throughput: Throughput, result: TrainResult, batch: Any, flops_per_token: float | None,
-          device_flops: float | None, world: int) -> dict[str, float]:
-    """The logging window's samples/s and step time (kept in ``result``), and MFU where the peak is known."""
+          device_flops: float | None, world: int, pipe: Any = None) -> dict[str, float]:
+    """The logging window's samples/s and step time (kept in ``result``), MFU where the peak is known, and under
+    pipeline parallel the last step's bubble on this rank."""
     result.samples_per_s, result.step_time_s = throughput.window()
     perf = {names.SAMPLES_PER_S: result.samples_per_s, names.STEP_TIME_S: result.step_time_s}
+    if pipe is not None and pipe.bubble is not None:
+        perf[names.PP_BUBBLE] = pipe.bubble
     tokens = tasks.tokens_per_sample(batch)
     if flops_per_token and device_flops and tokens:
         perf[names.MFU] = result.mfu = flops_per_token * result.samples_per_s * tokens / (device_flops * world)
@@ -328,15 +302,19 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
     for step in range(loop.start_step + 1, last_step + 1):
         batch = tasks.to_device(next(loop.batches), device)
         # The second step, as the plan counts it: optimizer state made, nothing allocated for the first time.
-        measuring = cfg.plan.measure and step == loop.start_step + 2
+        # (Not under pipeline parallel: the plan does not cut the model into stages.)
+        measuring = cfg.plan.measure and step == loop.start_step + 2 and parts.pipe is None
         with TensorPeak(model, parts.optimizer, device) if measuring else contextlib.nullcontext() as peak:
-            loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, loop.horovod,
-                              trainer.accumulate_grad_batches)
+            if parts.pipe is not None:
+                loss = pipelined.train_step(parts.pipe, batch, parts.optimizer, trainer.grad_clip)
+            else:
+                loss = train_step(model, task, batch, parts.optimizer, parts.scaler, trainer.grad_clip, loop.horovod,
+                                  trainer.accumulate_grad_batches)
         if measuring:
             _after_measured_step(peak, result, step, events)
         if parts.scheduler is not None:
             parts.scheduler.step()
-        loop.throughput.count(step, tasks.batch_size(batch) * loop.world // parts.tp)  # samples, not copies
+        loop.throughput.count(step, tasks.batch_size(batch) * loop.world // parts.copies)  # samples, not copies
         if step == loop.start_step + 1:
             _after_first_step(parts, result, step, loop.job_dir, events, loop.build_peak)
             if events is not None:
@@ -344,7 +322,7 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
         stopping = stop.agreed(step)  # every rank the same answer, at the same step
         if step % trainer.log_every == 0 or step == last_step or stopping:
             loop.step_log.add(step, loss, _perf(loop.throughput, result, batch, parts.flops_per_token,
-                                                loop.device_flops, loop.world))
+                                                loop.device_flops, loop.world, parts.pipe))
         loop.step_log.flush(step, step if stopping else last_step)
         if trainer.eval_every and step % trainer.eval_every == 0 and step != last_step and not stopping:
             metrics = _evaluate_between_steps(loop, step)
@@ -371,7 +349,8 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
 def _evaluate_between_steps(loop: _Loop, step: int) -> dict[str, float]:
     """A periodic evaluation, its time left out of the throughput."""
     eval_began = time.perf_counter()
-    metrics = evaluate(loop.parts.model, loop.parts.eval_loader, loop.device, loop.parts.task, loop.parts.tp).metrics
+    parts = loop.parts
+    metrics = evaluate(parts.whole_model, parts.eval_loader, loop.device, parts.task, parts.copies).metrics
     loop.throughput.leave_out(time.perf_counter() - eval_began)
     log.info("step %d eval %s", step, _shown(metrics))
     if loop.events is not None:
@@ -386,7 +365,7 @@ def _finish(loop: _Loop, batch: Any) -> TrainResult:
     result.steady_samples_per_s = loop.throughput.steady()
     result.losses = loop.step_log.losses
     result.steps, result.final_loss = last_step, result.losses.get(last_step, float("nan"))
-    result.eval_metrics = evaluate(parts.model, parts.eval_loader, loop.device, parts.task, parts.tp).metrics
+    result.eval_metrics = evaluate(parts.whole_model, parts.eval_loader, loop.device, parts.task, parts.copies).metrics
     result.eval_loss, result.eval_accuracy = result.eval_metrics.get("loss"), result.eval_metrics.get("accuracy")
     peaks = idist.all_gather(peak_memory_bytes(loop.device))
     result.peak_memory_bytes = [int(p) for p in peaks]
@@ -394,7 +373,7 @@ def _finish(loop: _Loop, batch: Any) -> TrainResult:
         events.metrics({**names.eval_metrics(result.eval_metrics),
                         **names.per_rank_metrics(names.PEAK_MEMORY, peaks)}, last_step)
     if cfg.tracking.enabled and cfg.tracking.model.enabled:
-        model_snapshot.record_model(cfg, parts.model, batch if last_step > loop.start_step else None,  # None: no step
-                                  last_step, events, loop.job_dir, loop.saver)
+        last_batch = batch if last_step > loop.start_step else None  # None: no step
+        model_snapshot.record_model(cfg, parts.whole_model, last_batch, last_step, events, loop.job_dir, loop.saver)
     log.info("done: loss %.4f, eval %s", result.final_loss, _shown(result.eval_metrics))
     return result

@@ -24,6 +24,7 @@ import hydraddp.distributed as idist
 from hydraddp.tracking.events import EventWriter
 from hydraddp.handoff import checkpoints
 from hydraddp.models.hf import HF_TARGET, config_dict
+from hydraddp.train import pipelined
 
 log = logging.getLogger("hydraddp.train.loop")
 MODEL_DIR = "model"  # in the job directory
@@ -39,6 +40,8 @@ def model_folder(job_dir: Path, step: int) -> Path:
 def full_bytes(model: nn.Module) -> int:
     """The size of the whole model's parameters at rest, the same on every rank whatever the wrap (auto_model
     counted them before sharding)."""
+    if isinstance(model, pipelined.Forward):
+        return model.whole_bytes()
     record = getattr(model, "_hydraddp_wrap", None)
     if record is not None:
         return record.total_numel * record.precision.storage_dtype.itemsize
@@ -50,6 +53,8 @@ def full_state_dict(model: nn.Module, keep: bool, on_rank0: bool) -> dict[str, t
     collective (FSDP gathers its shards); ``on_rank0`` (the keeper is rank 0) lets the other ranks skip the copy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if isinstance(model, pipelined.Forward):
+        return model.whole_state_dict(lambda stage: full_state_dict(stage, True, on_rank0=False), keep)
     module = model.module if isinstance(model, nn.DataParallel) else model  # DCP knows DDP's and FSDP's names only
     grouped = dist.is_available() and dist.is_initialized()
     if not grouped and not keep:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from hydraddp.build import pipeline_stages
 from hydraddp.models.hf import config_dict
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter
@@ -46,7 +47,7 @@ def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, s
         log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart_count())
     if not path:
         return None
-    resumed = checkpoint.load(Path(path), model, optimizer)
+    resumed = checkpoint.load(Path(path), model, optimizer, part=pipeline_stages(cfg) > 1)  # a stage: its own keys
     if scheduler is not None and resumed.meta.get("scheduler"):
         scheduler.load_state_dict(resumed.meta["scheduler"])
     if scaler is not None and resumed.meta.get("scaler"):

@@ -202,7 +202,7 @@ def test_the_bubble_is_the_share_of_a_step_its_stages_did_not_compute(monkeypatc
             losses.append(torch.tensor(2.0))
 
     group = None
-    pipe = pipeline.Pipeline([], [0], 1, Schedule(), group, 0, computing)
+    pipe = pipeline.Pipeline([], [0], 1, Schedule(), group, {0: 0}, computing)
     monkeypatch.setattr(pipeline.dist, "broadcast", lambda tensor, src, group: None)
     assert pipe.step(torch.zeros(1), torch.zeros(1)).item() == 2.0
     assert pipe.bubble == pytest.approx(0.25) and computing == [3.0]

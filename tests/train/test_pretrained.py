@@ -49,7 +49,7 @@ def config_for(path: Path, wrap: str, extra: list[str] = ()):
 
 def eval_loss(model, cfg) -> float:
     from hydraddp.train import data
-    from hydraddp.train.loop import evaluate
+    from hydraddp.train.evaluation import evaluate
     from hydraddp.config.instantiate import instantiate
 
     _, eval_set = instantiate(cfg.data.dataset, "data.dataset")

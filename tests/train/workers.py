@@ -64,7 +64,7 @@ def evaluate_all_digits(local_rank: int) -> dict:
     from hydraddp.models.gpt import GPT
     from hydraddp.models.mlp import MLP
     from hydraddp.train import data
-    from hydraddp.train.loop import evaluate
+    from hydraddp.train.evaluation import evaluate
 
     _, every_digit = digits(eval_fraction=1.0)
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def evaluate_unevenly(local_rank: int, wraps: list[str], samples: int, batch_siz
 
     from hydraddp.models.gpt import GPT
     from hydraddp.train import data, tasks
-    from hydraddp.train.loop import evaluate
+    from hydraddp.train.evaluation import evaluate
 
     tokens = torch.randint(0, 32, (samples, 9), generator=torch.Generator().manual_seed(0))
     windows = TensorDataset(tokens[:, :-1], tokens[:, 1:])

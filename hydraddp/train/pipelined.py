@@ -1,0 +1,163 @@
+"""The loop's side of pipeline parallel (``mesh.pp`` > 1): the model cut into this rank's stage
+(``hydraddp.parallel.pipeline``), each stage sharded by FSDP2 over its data-parallel ranks, one training step through
+torch's schedule, clipping across the stages, and a forward-only pass for evaluation and the logged model.
+
+The ranks of one pipeline read the same batch (``MeshShape.data_parallel_rank``): the first stage takes its inputs,
+the last its targets, through the task's own loss. Their losses and evaluation sums are the same on each of them, and
+count once (the loop's ``copies``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from hydraddp.parallel import pipeline
+from hydraddp.parallel.mesh import MeshShape, build as build_mesh, data_parallel
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+HEADER = 10  # a sent tensor's header: its dtype's index, its number of dimensions, and up to 8 sizes
+
+
+def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, world_size: int) -> pipeline.Pipeline:
+    """``model`` (built whole, alike on every rank) cut for this rank, each stage made parallel by ``auto_model``
+    over the stage's data-parallel ranks with the config's wrap, precision and blocks; its report names the whole
+    mesh and this rank's place in it."""
+    import dataclasses
+
+    import hydraddp.distributed as idist
+    from hydraddp.build import wrap_kwargs
+
+    shape = MeshShape.of(cfg.mesh).resolved(world_size)
+    mesh = build_mesh(shape, device.type)
+    dp_mesh = data_parallel(mesh)
+
+    def parallelize_stage(stage: nn.Module) -> nn.Module:
+        sharded = cfg.wrap.name == "fsdp2"
+        stage = idist.auto_model(stage, wrap=cfg.wrap.name, precision=cfg.precision.name,
+                                 activation_checkpointing=cfg.trainer.activation_checkpointing,
+                                 compile=cfg.trainer.compile, **({"mesh": dp_mesh} if sharded else {}),
+                                 **wrap_kwargs(cfg, stage))
+        stage._hydraddp_wrap = dataclasses.replace(stage._hydraddp_wrap, mesh=shape.describe())
+        return stage
+
+    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return task.loss(lambda _inputs: output, (None, targets))  # the last stage's output, as the model's
+
+    split: Sequence[int] | None = list(cfg.mesh.pp_split) if cfg.mesh.pp_split else None
+    microbatches = cfg.mesh.pp_microbatches or shape.pp
+    return pipeline.build(model, mesh["pp"], cfg.mesh.pp_schedule, microbatches, loss_fn, device, parallelize_stage,
+                          stages_per_rank=cfg.mesh.pp_stages_per_rank, split=split)
+
+
+def train_step(pipe: pipeline.Pipeline, batch: Any, optimizer: torch.optim.Optimizer,
+               grad_clip: float | None) -> torch.Tensor:
+    """One optimizer step over this pipeline's ``batch`` (``(inputs, targets)``), its microbatches run by the
+    schedule; the batch's mean loss, the same on every rank of the pipeline."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError(f"pipeline parallel trains on (inputs, targets) batches; got {type(batch).__name__}")
+    optimizer.zero_grad()
+    loss = pipe.step(batch[0], batch[1])
+    if grad_clip:
+        clip(pipe, grad_clip)
+    optimizer.step()
+    return loss
+
+
+def clip(pipe: pipeline.Pipeline, max_norm: float) -> None:
+    """Clip every stage's gradients by the norm of all of them: each rank's norm over its stages (whole across
+    their shards), squared and added over the pipeline's ranks."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    params = [p for p in pipe.parameters() if p.grad is not None]
+    norm = nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+    norm = getattr(norm, "full_tensor", lambda: norm)()
+    squared = norm.detach().float() ** 2
+    dist.all_reduce(squared, group=pipe.group)
+    with implicit_replication():  # the plain total against the stages' DTensors
+        nn.utils.clip_grads_with_norm_(params, max_norm, squared.sqrt())
+
+
+class Forward(nn.Module):
+    """The pipeline as one model for a forward pass without gradients (evaluation, the logged model's example):
+    each stage runs the whole batch in turn, its output sent to the rank of the next stage, and every rank of the
+    pipeline returns the last stage's output."""
+
+    def __init__(self, pipe: pipeline.Pipeline) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(pipe.stages)  # for train() and eval(); the names are the stages' own elsewhere
+        self._pipe = pipe
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        pipe, me = self._pipe, dist.get_rank()
+        held = dict(zip(pipe.stage_indices, pipe.stages))
+        hidden = inputs if 0 in held else None
+        for index in range(pipe.num_stages):
+            if pipe.holders[index] != me:
+                continue
+            if hidden is None:
+                hidden = _receive(pipe.holders[index - 1], inputs.device)
+            hidden = held[index](hidden)
+            following = pipe.holders.get(index + 1)
+            if following is not None and following != me:
+                _send(hidden, following)
+                hidden = None
+        return _broadcast(hidden, pipe.last_stage_rank, pipe.group, inputs.device)
+
+
+    def whole_bytes(self) -> int:
+        """The whole model's parameter bytes: this rank's stages' (a DTensor counts its global size), added over the
+        pipeline's ranks."""
+        params = list(self.parameters())
+        own = torch.tensor(sum(p.numel() * p.element_size() for p in params), dtype=torch.int64,
+                           device=params[0].device if params else None)
+        dist.all_reduce(own, group=self._pipe.group)
+        return int(own)
+
+    def whole_state_dict(self, stage_state: Callable[[nn.Module], dict[str, torch.Tensor]],
+                         keep: bool) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on the CPU where ``keep``: each stage's (``stage_state``, a collective over
+        its data-parallel ranks), gathered over the pipeline's ranks. The stages keep the whole model's names."""
+        own: dict[str, torch.Tensor] = {}
+        for stage in self._pipe.stages:
+            own.update(stage_state(stage))
+        everyone: list[Any] = [None] * dist.get_world_size(self._pipe.group)
+        dist.all_gather_object(everyone, own, group=self._pipe.group)
+        return {key: value for part in everyone for key, value in part.items()} if keep else None
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    sizes = list(tensor.shape) + [0] * (HEADER - 2 - tensor.dim())
+    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *sizes], dtype=torch.int64, device=tensor.device)
+
+
+def _empty(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    dtype_index, dims, *sizes = header.tolist()
+    return torch.empty(sizes[:dims], dtype=DTYPES[dtype_index], device=device)
+
+
+def _send(tensor: torch.Tensor, to: int) -> None:
+    tensor = tensor.contiguous()
+    dist.send(_header(tensor), to)
+    dist.send(tensor, to)
+
+
+def _receive(source: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, source)
+    tensor = _empty(header, device)
+    dist.recv(tensor, source)
+    return tensor
+
+
+def _broadcast(tensor: torch.Tensor | None, source: int, group: Any, device: torch.device) -> torch.Tensor:
+    header = _header(tensor) if tensor is not None else torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.broadcast(header, source, group=group)
+    tensor = tensor.contiguous() if tensor is not None else _empty(header, device)
+    dist.broadcast(tensor, source, group=group)
+    return tensor

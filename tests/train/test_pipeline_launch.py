@@ -1,0 +1,102 @@
+"""Pipeline parallel through the command (issue 56): ``python -m hydraddp mesh.pp=2`` on real gloo ranks, with every
+default on (tracking, the logged model, checkpoints, evaluation) and gradient clipping, trains as one process does,
+under wrap=none and with FSDP2 sharding each stage (pp=2 x dp_shard=2); stopped and resumed, it ends where the
+uninterrupted launch does; and what it cannot run yet is refused before any process starts, saying why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.spawn import job_dirs, run_cli
+
+SAME = ["model=gpt", "data=text", "task=causal_lm", "model.depth=4", "model.dim=32", "model.heads=2",
+        "data.dataset.num_chars=4000", "data.batch_size=8", "trainer.log_every=1", "trainer.eval_every=4",
+        "trainer.grad_clip=0.5", "backend=gloo"]
+
+
+def _result(job) -> dict:
+    return json.loads((job / "result.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, ranks", [(["wrap=none", "mesh.pp=2"], 2),
+                                         (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_shard=2"], 4)],
+                         ids=["pp2-none", "pp2xdp2-fsdp2"])
+def test_a_pipelined_launch_trains_as_one_process_with_every_default_on(tmp_path, mesh, ranks):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    launched = run_cli(*SAME, *mesh, "trainer.max_steps=8", "checkpoint.every_n_steps=4",
+                       f"launcher.nproc_per_node={ranks}", f"tracking.uri={uri}", cwd=tmp_path / "run", timeout=300)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    alone = run_cli(*SAME, "wrap=none", "trainer.max_steps=8", "launcher.nproc_per_node=1", "tracking.enabled=false",
+                    cwd=tmp_path / "alone")
+    assert alone.returncode == 0, alone.stderr[-4000:]
+    [job], [one] = job_dirs(tmp_path / "run"), job_dirs(tmp_path / "alone")
+    result, expected = _result(job), _result(one)
+    assert list(result["losses"].values()) == pytest.approx(list(expected["losses"].values()), abs=1e-5)
+    assert result["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-5)
+    assert (job / "checkpoints" / "step_00000004").is_dir() and (job / "checkpoints" / "step_00000008").is_dir()
+    if "wrap=fsdp2" in mesh:
+        assert [report["mesh_coordinate"] for report in result["reports"]] == \
+            [[0, 0, 0, 0], [0, 0, 1, 0], [1, 0, 0, 0], [1, 0, 1, 0]]
+        assert [report["units"] for report in result["reports"]] == \
+            [["<root>", "blocks.0", "blocks.1"]] * 2 + [["<root>", "blocks.2", "blocks.3"]] * 2
+    # Every rank's report names the whole mesh, and its stage's blocks are its units (FSDP2's, each sharded).
+    described = f"pp=2,dp_replicate=1,dp_shard={ranks // 2},tp=1"
+    assert [report["mesh"] for report in result["reports"]] == [described] * ranks
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["hydraddp.mesh"] == described
+    bubbles = [m.value for m in client.get_metric_history(run.info.run_id, "perf/pp_bubble")]
+    assert len(bubbles) == 8 and all(0 <= b < 1 for b in bubbles), bubbles
+    # The logged model is the whole model, gathered from both stages: the checkpoint's weights, every one of them.
+    import mlflow
+    import torch
+
+    from hydraddp.train.formats import export
+
+    mlflow.set_tracking_uri(uri)
+    [logged] = client.search_logged_models([run.info.experiment_id])
+    model = mlflow.pytorch.load_model(f"models:/{logged.model_id}")
+    exported = torch.load(export(job / "checkpoints" / "step_00000008", tmp_path / "model.pt"), weights_only=True)
+    assert sorted(model.state_dict()) == sorted(exported) and len(model.blocks) == 4
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, exported[k])] == []
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_stopped_and_resumed_ends_where_the_uninterrupted_one_does(tmp_path):
+    pipelined = [*SAME, "wrap=fsdp2", "mesh.pp=2", "launcher.nproc_per_node=2", "tracking.enabled=false",
+                 "checkpoint.every_n_steps=3", "trainer.max_steps=8"]
+    whole = run_cli(*pipelined, cwd=tmp_path / "whole")
+    stopped = run_cli(*pipelined, "trainer.stop_at_step=5", "hydra.run.dir=resumed", cwd=tmp_path)
+    assert whole.returncode == 0 and stopped.returncode == 0, whole.stderr[-3000:] + stopped.stderr[-3000:]
+    resumed = run_cli(*pipelined, "checkpoint.resume=latest", "hydra.run.dir=resumed", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    [job] = job_dirs(tmp_path / "whole")
+    expected, result = _result(job), _result(tmp_path / "resumed")
+    assert list(result["losses"]) == ["6", "7", "8"]
+    assert list(result["losses"].values()) == pytest.approx([expected["losses"][k] for k in ("6", "7", "8")],
+                                                           abs=1e-5)
+
+
+NO_SHAPE = ["backend=gloo", "model=mlp", "data=digits"]  # the MLP declares no pipeline shape
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ([*SAME, "wrap=ddp"], "mesh.pp=2 with wrap=ddp: each pipeline stage is sharded"),
+    ([*SAME, "wrap=fsdp2", "mesh.pp_schedule=Interleaved1F1B", "mesh.pp_stages_per_rank=2"],
+     "mesh.pp_schedule=Interleaved1F1B runs several stages on each rank"),
+    ([*SAME, "wrap=fsdp2", "precision=fp16"], "mesh.pp=2: fp16's gradient scaler is not run across pipeline stages"),
+    ([*SAME, "wrap=fsdp2", "trainer.accumulate_grad_batches=2"],
+     "Set mesh.pp_microbatches instead, and trainer.accumulate_grad_batches=1"),
+    ([*SAME, "wrap=fsdp2", "mesh.pp_microbatches=3"], "mesh.pp_microbatches=3: each pipeline's batch of 8"),
+    ([*NO_SHAPE, "wrap=fsdp2"], "mesh.pp=2: MLP declares no pipeline_shape"),
+], ids=["ddp", "looped", "fp16", "accumulate", "microbatches", "no-shape"])
+def test_what_a_pipeline_cannot_run_yet_is_refused_before_any_process_starts(tmp_path, overrides, said):
+    refused = run_cli(*overrides, "mesh.pp=2", "launcher.nproc_per_node=2", "tracking.enabled=false", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert said in refused.stderr and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert job_dirs(tmp_path) == []
