@@ -109,6 +109,9 @@ case "$command" in
     if [ -n "${chromium_install:-}" ]; then
       wait "$chromium_install" || { cat "$chromium_log" >&2; echo "Chromium was not installed: the UI tests skip" >&2; }
     fi
+    # The checkout's own bytecode too, at each run (it changes): under PYTHONDONTWRITEBYTECODE=1 every launched
+    # process would compile again what it imports of hydraddp/ and tests/.
+    "$VENV/bin/python" -m compileall -q -j 0 hydraddp hydra_plugins tests benchmarks > /dev/null || true
     status=0
     # Two pytest-xdist workers (this machine's cores), a file each at a time (a file's launches share its module
     # fixtures), the longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order); the 25

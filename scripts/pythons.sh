@@ -126,7 +126,9 @@ for name in "${targets[@]}"; do
   say "$name (Python $version): pytest ${tests[*]}"
   # Horovod is not built in these roots: without CI set, its tests and matrix rows skip (in CI's own venv they
   # must run, and CI=true says so there).
-  in_root "$root" env -u CI bash -c 'cd "$1" && shift && PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider \
+  # The checkout's bytecode for this Python as well (each Python has its own files in __pycache__).
+  in_root "$root" env -u CI bash -c 'cd "$1" && shift && { python -m compileall -q -j 0 hydraddp hydra_plugins tests \
+    > /dev/null || true; } && PYTHONPATH="$PWD" python -m pytest -q -p no:cacheprovider \
     -n 2 --dist loadfile --no-loadscope-reorder "$@"' run "$REPO" "${tests[@]}" || status=1
 done
 [ "$only_prepare" = 1 ] && say "prepared" || say "$([ "$status" = 0 ] && echo passed || echo FAILED)"
