@@ -243,11 +243,13 @@ def _publish(tmp: Path, final: Path, launch: str | None) -> None:
     tmp.rename(final)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: bool = False) -> Resumed:
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: bool = False,
+         data_layout: list[int] | None = None) -> Resumed:
     """Load checkpoint ``path`` into this rank's (wrapped) model and optimizer, whatever wrap and world
     size wrote it (a collective). Returns the step, the metadata and this rank's saved RNG states, which
     the caller restores (``rng.restore``) once its data loader is ready. ``part``: ``model`` is a pipeline stage,
-    which loads its own keys of the whole model's checkpoint."""
+    which loads its own keys of the whole model's checkpoint. ``data_layout``: how this launch's ranks split the data
+    (``resume.data_layout``); the per-rank states are used only where the checkpoint's ranks split it the same way."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -265,8 +267,12 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: b
     for fqn, tensors in optim_tensors["state"].items():
         optim_sd["state"][fqn].update(tensors)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    same_world = meta.get("world_size") == idist.get_world_size()
+    # At one world size under another mesh (pp=2 x dp_shard=2 against dp_shard=4), rank i may read another share of
+    # the data: its loader position would be another rank's. (A checkpoint from before the layout was saved: the
+    # world size alone decides, as it did.)
+    same_split = (meta.get("world_size") == idist.get_world_size()
+                  and meta.get("data_layout", data_layout) == data_layout)
     rank_files = [Path(path) / f"{kind}_rank{idist.get_rank()}.json" for kind in ("rng", "loader")]
-    rng_states, loader = (json.loads(f.read_text()) if f.exists() and same_world else None for f in rank_files)
+    rng_states, loader = (json.loads(f.read_text()) if f.exists() and same_split else None for f in rank_files)
     log.info("resumed from %s at step %d", path, meta["step"])
     return Resumed(meta["step"], meta, rng_states, loader)

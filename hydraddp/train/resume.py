@@ -9,7 +9,9 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from hydraddp.build import pipeline_stages
+import hydraddp.distributed as idist
+
+from hydraddp.build import data_mesh, pipeline_stages
 from hydraddp.models.hf import config_dict
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EventWriter
@@ -47,12 +49,21 @@ def resume(cfg: DictConfig, job_dir: Path | None, model, optimizer, scheduler, s
         log.info("restarted from %s (restart %d by torch's elastic agent)", path, restart_count())
     if not path:
         return None
-    resumed = checkpoint.load(Path(path), model, optimizer, part=pipeline_stages(cfg) > 1)  # a stage: its own keys
+    resumed = checkpoint.load(Path(path), model, optimizer, part=pipeline_stages(cfg) > 1,  # a stage: its own keys
+                              data_layout=data_layout(cfg))
     if scheduler is not None and resumed.meta.get("scheduler"):
         scheduler.load_state_dict(resumed.meta["scheduler"])
     if scaler is not None and resumed.meta.get("scaler"):
         scaler.load_state_dict(resumed.meta["scaler"])
     return resumed
+
+
+def data_layout(cfg: DictConfig) -> list[int]:
+    """Which share of the data each rank reads, rank by rank (``[0, 1, 0, 1]`` at pp=2 x dp_shard=2, ``[0, 1, 2, 3]``
+    at dp_shard=4 or under HSDP 2 x 2): a checkpoint's per-rank loader and RNG states fit a launch that splits the
+    data the same way, and only that one."""
+    mesh, world = data_mesh(cfg), idist.get_world_size()
+    return [mesh.data_parallel_rank(rank) if mesh is not None else rank for rank in range(world)]
 
 
 def needs_shared_root(cfg: DictConfig) -> bool:
@@ -117,6 +128,7 @@ class Saver:
             "job_dir": str(self.job_dir) if self.job_dir else None,  # the launch that wrote it (its lineage, with:)
             "resumed_from": self.cfg.checkpoint.resume or None,
             "wrap": getattr(getattr(self.model, "_hydraddp_wrap", None), "wrap", None),
+            "data_layout": data_layout(self.cfg),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # A transformers model's own config, whole: what `export --format hf` writes (a pretrained model's

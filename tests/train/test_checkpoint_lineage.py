@@ -63,7 +63,7 @@ def test_keep_last_prunes_only_the_launchs_own_checkpoints(tmp_path):
 def test_a_restart_resumes_its_own_launchs_latest_not_the_newest_in_the_folder(tmp_path, monkeypatch):
     save(tmp_path, 4, 4.0, "/jobs/a")
     save(tmp_path, 8, 8.0, "/jobs/other")  # newer, by another launch sharing checkpoint.dir
-    cfg = OmegaConf.create({"checkpoint": {"dir": str(tmp_path), "resume": None}})
+    cfg = OmegaConf.create({"checkpoint": {"dir": str(tmp_path), "resume": None}, "wrap": {"name": "ddp"}})
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     model, optimizer = model_and_optimizer(0.0)
     resumed = resume.resume(cfg, "/jobs/a", model, optimizer, None, None)

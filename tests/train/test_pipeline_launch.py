@@ -67,19 +67,32 @@ def test_a_pipelined_launch_trains_as_one_process_with_every_default_on(tmp_path
 
 
 @pytest.mark.slow
-def test_a_pipelined_run_stopped_and_resumed_ends_where_the_uninterrupted_one_does(tmp_path):
-    pipelined = [*SAME, "wrap=fsdp2", "mesh.pp=2", "launcher.nproc_per_node=2", "tracking.enabled=false",
+def test_a_pipelined_checkpoint_resumes_at_its_own_mesh_and_at_other_pipeline_degrees_as_the_uninterrupted_run(
+        tmp_path):
+    """Stopped at step 5 at pp=2 x dp_shard=2, resumed there, at pp=1 x dp_shard=4 and at pp=4: each ends where the
+    uninterrupted run does. At the same world size the other meshes split the data otherwise (rank 2 reads the first
+    share at pp=2, the third at dp_shard=4), so each rank's saved loader position is not theirs to take."""
+    pipelined = [*SAME, "wrap=fsdp2", "launcher.nproc_per_node=4", "tracking.enabled=false", "plan.record=false",
                  "checkpoint.every_n_steps=3", "trainer.max_steps=8"]
-    whole = run_cli(*pipelined, cwd=tmp_path / "whole")
-    stopped = run_cli(*pipelined, "trainer.stop_at_step=5", "hydra.run.dir=resumed", cwd=tmp_path)
+    whole = run_cli(*pipelined, "mesh.pp=2", "mesh.dp_shard=2", cwd=tmp_path / "whole")
+    stopped = run_cli(*pipelined, "mesh.pp=2", "mesh.dp_shard=2", "trainer.stop_at_step=5", "hydra.run.dir=resumed",
+                      cwd=tmp_path)
     assert whole.returncode == 0 and stopped.returncode == 0, whole.stderr[-3000:] + stopped.stderr[-3000:]
-    resumed = run_cli(*pipelined, "checkpoint.resume=latest", "hydra.run.dir=resumed", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    step_5 = tmp_path / "resumed" / "checkpoints" / "step_00000005"
     [job] = job_dirs(tmp_path / "whole")
-    expected, result = _result(job), _result(tmp_path / "resumed")
+    expected = [_result(job)["losses"][k] for k in ("6", "7", "8")]
+    for name, mesh in (("dp4", "mesh.dp_shard=4"), ("pp4", "mesh.pp=4")):
+        elsewhere = run_cli(*pipelined, mesh, f"checkpoint.resume={step_5}", f"hydra.run.dir={name}", cwd=tmp_path)
+        assert elsewhere.returncode == 0, elsewhere.stderr[-4000:]
+        result = _result(tmp_path / name)
+        assert list(result["losses"]) == ["6", "7", "8"], mesh
+        assert list(result["losses"].values()) == pytest.approx(expected, abs=1e-5), mesh
+    resumed = run_cli(*pipelined, "mesh.pp=2", "mesh.dp_shard=2", "checkpoint.resume=latest", "hydra.run.dir=resumed",
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    result = _result(tmp_path / "resumed")
     assert list(result["losses"]) == ["6", "7", "8"]
-    assert list(result["losses"].values()) == pytest.approx([expected["losses"][k] for k in ("6", "7", "8")],
-                                                           abs=1e-5)
+    assert list(result["losses"].values()) == pytest.approx(expected, abs=1e-5)
 
 
 NO_SHAPE = ["backend=gloo", "model=mlp", "data=digits"]  # the MLP declares no pipeline shape
