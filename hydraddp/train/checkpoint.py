@@ -249,7 +249,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: b
     size wrote it (a collective). Returns the step, the metadata and this rank's saved RNG states, which
     the caller restores (``rng.restore``) once its data loader is ready. ``part``: ``model`` is a pipeline stage,
     which loads its own keys of the whole model's checkpoint. ``data_layout``: how this launch's ranks split the data
-    (``resume.data_layout``); the per-rank states are used only where the checkpoint's ranks split it the same way."""
+    (``resume.data_layout``); the per-rank states are used only where the checkpoint's ranks split it the same way
+    (None: the world size alone decides)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -271,7 +272,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: b
     # the data: its loader position would be another rank's. (A checkpoint from before the layout was saved: the
     # world size alone decides, as it did.)
     same_split = (meta.get("world_size") == idist.get_world_size()
-                  and meta.get("data_layout", data_layout) == data_layout)
+                  and (data_layout is None or meta.get("data_layout", data_layout) == data_layout))
     rank_files = [Path(path) / f"{kind}_rank{idist.get_rank()}.json" for kind in ("rng", "loader")]
     rng_states, loader = (json.loads(f.read_text()) if f.exists() and same_split else None for f in rank_files)
     log.info("resumed from %s at step %d", path, meta["step"])

@@ -10,7 +10,6 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 import hydraddp.distributed as idist
-
 from hydraddp.build import data_mesh, pipeline_stages
 from hydraddp.models.hf import config_dict
 from hydraddp.tracking import names
