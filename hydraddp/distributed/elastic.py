@@ -6,6 +6,7 @@ naming the first failing rank."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -73,6 +74,7 @@ class _Entry:
             context.start(self.model_cls, self.backend, **self.init_kwargs)
             result = self.fn(context.model().get_local_rank(), *self.args, **self.kwargs)
             context.model().barrier()  # nobody tears the group down while a peer still talks to it
+            self._record_done()
             return result
         except BaseException as exc:
             self._record_failure(exc)
@@ -80,7 +82,14 @@ class _Entry:
                 _stop_without_unwinding()
             raise
         finally:
+            _exit_or_be_ended()
             context.finalize()
+
+    def _record_done(self) -> None:
+        # A worker ended at exit (``_exit_or_be_ended``) after its work was done: the parent says so, not "failed".
+        if self.failure_dir is not None:
+            Path(self.failure_dir, f"rank{os.environ.get('RANK', os.environ.get('HOROVOD_RANK', '-1'))}"
+                                   f"{DONE_SUFFIX}").write_text(f"{EXIT_GRACE_S:g}")
 
     def _record_failure(self, exc: BaseException) -> None:
         # torch reports only the rank whose exit it noticed first, often a peer that failed *because* the
@@ -95,6 +104,19 @@ class _Entry:
             "traceback": traceback.format_exc(),
         }
         Path(self.failure_dir, f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+EXIT_GRACE_S = 120.0  # from the end of a worker's work to its exit; ample for the teardown on a loaded machine
+
+
+def _exit_or_be_ended() -> None:
+    """A worker whose work is done (returned, or raised) has ``EXIT_GRACE_S`` to leave: what remains is the group's
+    teardown, the hand-over of its result to the agent and the process's own exit. Past that, faulthandler's watchdog
+    thread (C, without the GIL, so a stuck native call cannot hold it off) writes every thread's stack to the rank's
+    stderr under "Timeout (0:02:00)!", and ends the process with exit code 1. torch's agent waits for every worker to
+    exit with no limit (``MultiprocessContext._poll``: "pc.join() blocks [forever]"): one worker that hung at exit,
+    its training done and its checkpoint written, held a 2-rank launch past its test's 180 s."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 def _stop_without_unwinding() -> NoReturn:
@@ -140,6 +162,16 @@ def _first_recorded_failure(failure_dir: str) -> WorkerFailedError | None:
         return None
     first = min(records, key=lambda r: (-r["attempt"], r["time"]))
     return WorkerFailedError(first["rank"], first["error"], 1, first["traceback"])
+
+
+def _stuck_at_exit(failure_dir: str, exc: Exception) -> WorkerFailedError | None:
+    """The failed rank had done its work and was ended by ``_exit_or_be_ended``: say that, with where its stacks are."""
+    rank, failure = exc.get_first_failure()
+    done = Path(failure_dir, f"rank{rank}{DONE_SUFFIX}")
+    if failure.exitcode != 1 or not done.exists():
+        return None
+    return WorkerFailedError(rank, f"its work was done, but it did not exit within {done.read_text()} s; the stacks of "
+                                   "its threads follow \"Timeout\" in its stderr (its log)", failure.exitcode)
 
 
 def _first_line(text: str) -> str:
@@ -189,6 +221,7 @@ def _quiet_elastic_errors() -> Iterator[None]:
 
 
 WORKER_PID_SUFFIX = ".worker"  # a worker's file in its launch's scratch directory, named by its pid
+DONE_SUFFIX = ".done"  # rank{R}.done: that rank's work is done, only its exit is left
 FORWARDED_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
 
@@ -273,7 +306,8 @@ def launch(
         with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors(), _forwarding(failure_dir):
             return elastic_launch(config, _run_entry)(entry)
     except ChildFailedError as exc:
-        raise (_first_recorded_failure(failure_dir) or _failure_from(exc)) from None
+        raise (_first_recorded_failure(failure_dir) or _stuck_at_exit(failure_dir, exc) or _failure_from(exc)) \
+            from None
     except SignalException as exc:
         # The agent already stopped every worker; report it as the interrupt it was.
         raise KeyboardInterrupt(f"stopped by {exc.sigval.name}") from None

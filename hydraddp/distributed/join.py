@@ -8,11 +8,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 
 import torch.distributed as dist
 
+from hydraddp.distributed import store_client
 from hydraddp.distributed.env import DEFAULT_MASTER_PORT, JOIN_TIMEOUT_ENV, LaunchEnv, detect_launch_env
 
 
@@ -52,21 +52,17 @@ def _rendezvous(launch: LaunchEnv) -> tuple[str, int]:
 
 def _meeting_store(launch: LaunchEnv, addr: str, port: int, timeout: datetime.timedelta,
                    deadline: float) -> dist.Store:
-    """Rank 0's store: hosted by rank 0, the others connect. Until rank 0 listens, they knock with a plain socket:
-    torch's own connect retries log a C++ error with frames at every try. ``timeout`` is the launch's, named in the
-    error (under load, a long knock used to report its remaining part as the timeout, e.g. 19.9991 s for 20)."""
-    if launch.rank != 0:
-        while True:
-            try:
-                socket.create_connection((addr, port), timeout=1.0).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise GroupNotFormedError(timeout.total_seconds(), (0,)) from None
-                time.sleep(_POLL_S)
+    """Rank 0's store: hosted by rank 0, the others connect once it listens (``store_client``). ``timeout`` is the
+    launch's, named in the error (under load, a long knock used to report its remaining part as the timeout, e.g.
+    19.9991 s for 20)."""
     remaining = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
-    return dist.TCPStore(addr, port, launch.world_size, is_master=launch.rank == 0, timeout=remaining,
-                         wait_for_workers=False, multi_tenant=True)
+    if launch.rank != 0:
+        try:
+            return store_client.connect(addr, port, remaining)
+        except store_client.StoreUnreachableError:
+            raise GroupNotFormedError(timeout.total_seconds(), (0,)) from None
+    return dist.TCPStore(addr, port, launch.world_size, is_master=True, timeout=remaining, wait_for_workers=False,
+                         multi_tenant=True)
 
 
 def _acknowledge(store: dist.Store, launch: LaunchEnv, deadline: float) -> None:

@@ -182,6 +182,23 @@ def fail_on_rank(local_rank: int, failing_rank: int) -> None:
     idist.barrier()  # the healthy rank waits for the failed one: the agent must still stop it
 
 
+def never_ending_thread_forever() -> None:
+    import threading
+
+    threading.Event().wait()
+
+
+def leave_a_thread_that_never_ends(local_rank: int, grace_s: float) -> int:
+    """Return, leaving a non-daemon thread that never ends: the process's exit would join it for good."""
+    import threading
+
+    from hydraddp.distributed import elastic
+
+    elastic.EXIT_GRACE_S = grace_s
+    threading.Thread(target=never_ending_thread_forever, name="never-ends").start()
+    return local_rank
+
+
 def sleep_forever(local_rank: int, marker_dir: str) -> None:
     import pathlib
     import time

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +75,31 @@ def processes_with_token(token: str) -> list[int]:
     return found
 
 
+def stacks(token: str, limit: int = 12000) -> str:
+    """The Python stack of every thread of every process still holding ``token`` (py-spy, from the test extra), for the
+    message of a launch that hung: which rank waits in what, from a CI log alone. Taken before the kill."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    dumps = []
+    for pid in sorted(processes_with_token(token)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+            dumped = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+            text = dumped.stdout or dumped.stderr
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text = f"(no stack: {type(exc).__name__}: {exc})"
+        dumps.append(f"--- pid {pid}: {cmdline}\n{text.strip()}")
+    return "\n".join(dumps)[:limit]
+
+
+def _token_of(proc: subprocess.Popen) -> str:
+    """The token a helper of this module gave ``proc`` (its environment's), "" for none."""
+    with contextlib.suppress(OSError):
+        for entry in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+            if entry.startswith(f"{TOKEN_VAR}=".encode()):
+                return entry.split(b"=", 1)[1].decode()
+    return ""
+
+
 def assert_no_orphans(token: str, grace_s: float = 5.0) -> None:
     deadline = time.monotonic() + grace_s
     while (left := processes_with_token(token)) and time.monotonic() < deadline:
@@ -110,9 +136,11 @@ def run_process(cmd: list[str], timeout: float = 120, env: dict[str, str] | None
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        hung = stacks(token)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}") from None
+        raise AssertionError(f"{cmd} timed out after {timeout}s\nstacks:\n{hung}\nstdout:\n{out[-3000:]}\n"
+                             f"stderr:\n{err[-5000:]}") from None
     finally:
         if check_orphans:
             assert_no_orphans(token)
@@ -123,7 +151,8 @@ def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo",
                  env: dict[str, str] | None = None, tmp_path: Path, expect_failure: bool = False, **parallel_kwargs: Any):
     """Run ``target`` ("module:function") as ``fn(local_rank, *args)`` on ``nproc`` real workers via ``Parallel``.
 
-    Returns ``{rank: return value}``; with ``expect_failure`` returns the ``WorkerFailedError`` fields instead.
+    Returns ``{rank: return value}``; with ``expect_failure`` returns the ``WorkerFailedError`` fields instead, and
+    the launch's ``stderr`` (where the workers write).
     """
     payload, result = tmp_path / f"payload-{uuid.uuid4().hex}.pt", tmp_path / f"result-{uuid.uuid4().hex}.pt"
     torch.save({"target": target, "args": args, "nproc": nproc, "backend": backend, "kwargs": parallel_kwargs}, payload)
@@ -133,7 +162,7 @@ def run_parallel(target: str, *args: Any, nproc: int = 2, backend: str = "gloo",
     outcome = torch.load(result, weights_only=False)
     if expect_failure:
         assert "failure" in outcome, f"expected a worker failure, got results {outcome}"
-        return outcome["failure"]
+        return {**outcome["failure"], "stderr": launched.stderr}
     if "failure" in outcome:
         raise AssertionError(f"worker failed: {outcome['failure']}\nstderr:\n{launched.stderr[-6000:]}")
     return outcome["results"]
@@ -148,6 +177,9 @@ def run_together(commands: list[tuple], timeout: float = 180) -> list[Launched]:
              for cmd, cwd, *extra in commands]
     try:
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{[cmd for cmd, *_ in commands]} timed out after {timeout}s\nstacks:\n{stacks(token)}") \
+            from None
     finally:
         for proc in procs:
             proc.kill()
@@ -163,7 +195,7 @@ def wait_while_running(proc: subprocess.Popen, ready: Callable[[], Any], what: s
         if proc.poll() is not None:
             pytest.fail(f"the launch ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
         if time.monotonic() > deadline:
-            pytest.fail(f"no {what} after {timeout:.0f} s: the launch hung")
+            pytest.fail(f"no {what} after {timeout:.0f} s: the launch hung\nstacks:\n{stacks(_token_of(proc))}")
         time.sleep(0.05)
     return found
 
@@ -181,7 +213,10 @@ def interrupt_when(cmd: list[str], ready, cwd: Path, timeout: float = 90, env: d
             proc.send_signal(signal.SIGINT)
         else:
             send(proc)
-        out, err = proc.communicate(timeout=timeout)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launch did not end {timeout:.0f} s after the signal\nstacks:\n{stacks(token)}")
     finally:
         proc.kill()
     assert_no_orphans(token)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from hydraddp.distributed import store_client
 from hydraddp.distributed.comp_models.base import ComputationModel, _is_rank_list
 from hydraddp.distributed.env import DEFAULT_MASTER_PORT, LaunchEnv, detect_launch_env, free_port
 from hydraddp.distributed.join import join, join_timeout
@@ -56,10 +57,8 @@ def agent_store(timeout: datetime.timedelta | None = None) -> dist.Store | None:
     and kept across restarts; None when no agent started this process."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    from torch.distributed import TCPStore
-
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                    timeout=timeout or datetime.timedelta(minutes=30))
+    return store_client.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                timeout or datetime.timedelta(minutes=30))
 
 
 def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
