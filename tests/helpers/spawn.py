@@ -22,8 +22,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from tests.helpers import zygote
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN_VAR = "HYDRADDP_TEST_TOKEN"
+# ``python -m hydraddp`` with the helpers' own environment is forked from a process that imported torch and Hydra
+# (tests/helpers/zygote.py); HYDRADDP_TEST_ZYGOTE=0 starts each as a fresh interpreter instead.
+ZYGOTE = os.environ.get("HYDRADDP_TEST_ZYGOTE", "1") != "0"
 # A tracked launch's own plan (plan.record) is made by a process at idle priority that a finished launch waits for:
 # about 6 s of every tracked launch on 2 cores, and far more while other tests load them. Tests of something else
 # leave it out; tests/plan, tests/tracking/test_mlflow.py, test_compare.py and test_secrets.py keep it.
@@ -58,29 +63,32 @@ def rendezvous_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
-def processes_with_token(token: str) -> list[int]:
-    """PIDs whose environment holds ``HYDRADDP_TEST_TOKEN=token`` (zombies excluded)."""
+def processes_with_token(token: str, session: int | None = None) -> list[int]:
+    """PIDs whose environment holds ``HYDRADDP_TEST_TOKEN=token``, or (``session``) in that session; zombies excluded.
+    (A launch forked by tests/helpers/zygote.py shows the zygote's environment in /proc: its session finds it.)"""
     needle = f"{TOKEN_VAR}={token}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "stat").read_text().split(") ")[1].startswith("Z"):
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+            if fields[0] == "Z":
                 continue
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
+            if (session is not None and int(fields[3]) == session) \
+                    or needle in (entry / "environ").read_bytes().split(b"\0"):
                 found.append(int(entry.name))
         except OSError:
             continue
     return found
 
 
-def stacks(token: str, limit: int = 12000) -> str:
+def stacks(token: str, limit: int = 12000, session: int | None = None) -> str:
     """The Python stack of every thread of every process still holding ``token`` (py-spy, from the test extra), for the
     message of a launch that hung: which rank waits in what, from a CI log alone. Taken before the kill."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     dumps = []
-    for pid in sorted(processes_with_token(token)):
+    for pid in sorted(processes_with_token(token, session)):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
             dumped = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
@@ -100,9 +108,9 @@ def _token_of(proc: subprocess.Popen) -> str:
     return ""
 
 
-def assert_no_orphans(token: str, grace_s: float = 5.0) -> None:
+def assert_no_orphans(token: str, grace_s: float = 5.0, session: int | None = None) -> None:
     deadline = time.monotonic() + grace_s
-    while (left := processes_with_token(token)) and time.monotonic() < deadline:
+    while (left := processes_with_token(token, session)) and time.monotonic() < deadline:
         time.sleep(0.1)
     if left:
         for pid in left:
@@ -131,19 +139,24 @@ def run_process(cmd: list[str], timeout: float = 120, env: dict[str, str] | None
                 check_orphans: bool = True) -> Launched:
     """Run ``cmd`` in its own session with a token; kill the whole group on timeout; check for orphans."""
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(cmd, cwd=cwd or REPO, env=child_env(token, env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    session = None
+    if env is None and cmd[:3] == [sys.executable, "-m", "hydraddp"] and ZYGOTE:
+        proc = zygote.Launch(cmd[3:], cwd or REPO, child_env(token), TOKEN_VAR)
+        session = proc.session
+    else:
+        proc = subprocess.Popen(cmd, cwd=cwd or REPO, env=child_env(token, env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        hung = stacks(token)
+        hung = stacks(token, session=session)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} timed out after {timeout}s\nstacks:\n{hung}\nstdout:\n{out[-3000:]}\n"
                              f"stderr:\n{err[-5000:]}") from None
     finally:
         if check_orphans:
-            assert_no_orphans(token)
+            assert_no_orphans(token, session=session)
     return Launched(proc.returncode, out, err, token)
 
 
