@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -124,6 +125,7 @@ class _Server:
         if self.alive():
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _server: _Server | None = None
@@ -140,7 +142,8 @@ class Launch:
 
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str], token_var: str):
         global _server
-        base_env = {key: value for key, value in env.items() if key != token_var}
+        # pytest names the running test in PYTEST_CURRENT_TEST: a server per test would start anew at every test
+        base_env = {key: value for key, value in env.items() if key not in (token_var, "PYTEST_CURRENT_TEST")}
         if _server is None or not _server.alive() or _server.env != base_env:
             if _server is not None:
                 _server.stop()
