@@ -148,7 +148,15 @@ def _start(job: Any, outcome: dict[str, Any]) -> dict[str, Any]:
         from hydraddp.tracking.setup import launch_run
 
         tracker = launch_run(job)
-        tracker.start()  # before this process imports torch: mlflow loads on the core that leaves idle
+        # Before this process imports torch, mlflow loads on the core that leaves idle. A process that has imported
+        # it already (Python code that calls the CLI, a warm process that forks launches) forks the tracker where
+        # it forks the workers: the tracker then starts with torch (about 2 CPU-seconds) and what else it imported.
+        fork = False
+        if "torch" in sys.modules:
+            from hydraddp.launch import forks_workers
+
+            fork = forks_workers(job)
+        tracker.start(fork=fork)
     from hydraddp.tracking.node import for_launch
 
     node = for_launch(job, tracker)  # over several nodes: each one's system metrics and logs into the run

@@ -223,7 +223,7 @@ LAYERS = [("hydraddp.__main__", "hydraddp.cli", "hydraddp.sweep", "hydraddp.laun
           ("hydraddp.distributed",),
           ("hydraddp.parallel",),
           # leaves every layer may use: they import nothing of the package
-          ("hydraddp.exit_codes", "hydraddp.redaction", "hydraddp.lease", "hydraddp.tracking.names")]
+          ("hydraddp.exit_codes", "hydraddp.redaction", "hydraddp.lease", "hydraddp.forked", "hydraddp.tracking.names")]
 # Package __init__ files that only name their package.
 PACKAGES = ("hydraddp", "hydraddp.config", "hydraddp.data", "hydraddp.handoff", "hydraddp.search",
             "hydraddp.tracking")

@@ -15,9 +15,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from hydraddp.forked import ForkedChild, leave_the_launcher
 
 PLANNED_WRAPS = ("none", "ddp", "fsdp", "fsdp2")  # what the simulated world runs (not DataParallel, not Horovod)
 
@@ -78,22 +79,22 @@ class Recording:
 
         path.unlink(missing_ok=True)  # an earlier launch's plan in this directory is not this one's
         request = {"config": config, "world_size": world_size}
-        self._proc: subprocess.Popen | None = None
-        self._pid: int | None = None
+        self._proc: subprocess.Popen | ForkedChild
         if fork and threading.active_count() == 1:  # a thread's locks would stay held in the child
             # What the fake tensors need (FakeTensorMode imports it), and what the forked workers inherit too.
             import torch._dynamo  # noqa: F401
 
-            self._pid = os.fork()
-            if self._pid == 0:
+            pid = os.fork()
+            if pid == 0:
                 _forked(request, path)
+            self._proc = ForkedChild(pid)
         else:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(path)], stdin=subprocess.PIPE,
                                           stdout=subprocess.DEVNULL, text=True)
             self._send(json.dumps(request))
 
     def _send(self, request: str) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
+        assert isinstance(self._proc, subprocess.Popen) and self._proc.stdin is not None
         try:
             self._proc.stdin.write(request)
             self._proc.stdin.close()
@@ -102,42 +103,22 @@ class Recording:
 
     def wait(self, timeout_s: float) -> None:
         """Until the plan is written, or ``timeout_s`` passed (the run then has no plan)."""
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            return
-        deadline = time.monotonic() + timeout_s
-        while self._pid is not None and time.monotonic() < deadline:
-            if os.waitpid(self._pid, os.WNOHANG)[0]:
-                self._pid = None
-                return
-            time.sleep(0.05)
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
 
     def cancel(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-        if self._pid is not None:
-            try:
-                os.kill(self._pid, signal.SIGKILL)
-                os.waitpid(self._pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-            self._pid = None
 
 
 def _forked(request: dict[str, Any], path: Path) -> None:
     """The forked plan process: it never returns into the launcher's code."""
     code = 1
     try:
-        # The launcher's handlers are not this process's: a Ctrl-C or Slurm's signals simply end it.
-        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(stop, signal.SIG_DFL)
-        # Nothing of the launcher stays open here: the tracker sees its stdin close when the launcher dies, not
-        # when this process does.
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        leave_the_launcher()  # a Ctrl-C or Slurm's signals simply end it
         _idle_priority()
         _write(plan_of(request), path)
         code = 0

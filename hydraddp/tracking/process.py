@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydraddp.forked import ForkedChild, leave_the_launcher
 from hydraddp.tracking import names
 from hydraddp.tracking.events import EVENTS_FILE
 from hydraddp.tracking.run import FINISHED, KILLED, LaunchRun
@@ -41,18 +42,23 @@ class TrackerProcess:
         self.settings = settings  # LaunchRun's keyword arguments, as JSON
         self.uri, self.job_dir = settings["uri"], Path(settings["job_dir"])
         self.events_path = self.job_dir / EVENTS_FILE
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | ForkedChild | None = None
         self._started_at = 0.0
         self._plan: Any = None  # the launch's plan in the making (plan_with)
 
-    def start(self) -> None:
+    def start(self, fork: bool = False) -> None:
+        """``fork``: a fork of this process (``hydraddp.forked``), which starts with what it imported; else a fresh
+        ``python -m hydraddp.tracking.process``."""
         self._started_at = time.time()
-        # Its own process group: a Ctrl-C reaches the launcher, which decides the status and tells the tracker. Not
-        # its own session: Linux's autogroup would then share the CPU between the tracker and all the ranks as
-        # equals, and its nice 19 (and the plan's idle priority) would count only within its own group.
-        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        self._proc = subprocess.Popen([sys.executable, "-m", "hydraddp.tracking.process"], stdin=subprocess.PIPE,
-                                      text=True, **group)
+        if fork and threading.active_count() == 1:  # a thread's locks would stay held in the child
+            self._proc = _forked_tracker()
+        else:
+            # Its own process group: a Ctrl-C reaches the launcher, which decides the status and tells the tracker.
+            # Not its own session: Linux's autogroup would then share the CPU between the tracker and all the ranks
+            # as equals, and its nice 19 (and the plan's idle priority) would count only within its own group.
+            group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+            self._proc = subprocess.Popen([sys.executable, "-m", "hydraddp.tracking.process"],
+                                          stdin=subprocess.PIPE, text=True, **group)
         self._send({"settings": self.settings})
 
     def _send(self, message: dict[str, Any]) -> bool:
@@ -104,6 +110,22 @@ class TrackerProcess:
                   f"Send them with: python -m hydraddp.tracking.sync {self.job_dir} --uri {self.uri} "
                   f"--status {status}", flush=True)
         return False
+
+
+def _forked_tracker() -> ForkedChild:
+    """The tracker as a fork of this process, in a process group of its own, reading its stdin from a pipe."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(read, 0)
+        leave_the_launcher()
+        os.setpgid(0, 0)
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's own stdin
+        from hydraddp.exit_codes import exit_without_teardown
+
+        exit_without_teardown(main)
+    os.close(read)
+    return ForkedChild(pid, open(write, "w", encoding="utf-8"))  # noqa: SIM115 - closed by finish
 
 
 def launch_run_of(settings: dict[str, Any]) -> LaunchRun:

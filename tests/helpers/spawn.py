@@ -140,8 +140,8 @@ def run_process(cmd: list[str], timeout: float = 120, env: dict[str, str] | None
     """Run ``cmd`` in its own session with a token; kill the whole group on timeout; check for orphans."""
     token = uuid.uuid4().hex
     session = None
-    if env is None and cmd[:3] == [sys.executable, "-m", "hydraddp"] and ZYGOTE:
-        proc = zygote.Launch(cmd[3:], cwd or REPO, child_env(token), TOKEN_VAR)
+    if env is None and cmd[:2] == [sys.executable, "-m"] and zygote.serves(cmd[2]) and ZYGOTE:
+        proc = zygote.Launch(cmd[2], cmd[3:], cwd or REPO, child_env(token), TOKEN_VAR)
         session = proc.session
     else:
         proc = subprocess.Popen(cmd, cwd=cwd or REPO, env=child_env(token, env), stdout=subprocess.PIPE,

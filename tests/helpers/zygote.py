@@ -30,11 +30,21 @@ from pathlib import Path
 _MAX_MESSAGE = 1 << 20
 
 
+def serves(module: str) -> bool:
+    """The commands forked here: hydraddp's own (a launch, an export, a plan) and the helpers' ``Parallel`` launch;
+    not torchrun, pytest or pip, whose processes are not hydraddp's to prepare."""
+    return module == "hydraddp" or module.startswith("hydraddp.") or module == "tests.helpers.launch"
+
+
 def _serve(path: str) -> None:
-    # What ``python -m hydraddp`` imports before its first launch, no more (no mlflow: a launch imports it where used).
+    # What ``python -m hydraddp`` imports before its first launch, and what its tracker imports: a launcher that has
+    # torch forks its tracker (hydraddp.cli), which then starts with MLflow and its pytorch flavor too.
     import hydra  # noqa: F401
+    import mlflow.pytorch  # noqa: F401
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (the launcher imports it before forking workers, on CPU and gloo)
+    from mlflow.models import infer_signature  # noqa: F401
 
     import hydraddp.cli  # noqa: F401
     import hydraddp.config.schema  # noqa: F401
@@ -74,7 +84,7 @@ def _serve(path: str) -> None:
 
 
 def _run_launch(request: dict, fds: list[int]) -> None:
-    """In the forked child: become ``python -m hydraddp ARGS`` in the request's session, directory and environment."""
+    """In the forked child: become ``python -m MODULE ARGS`` in the request's session, directory and environment."""
     code = 1
     try:
         os.setsid()
@@ -88,7 +98,7 @@ def _run_launch(request: dict, fds: list[int]) -> None:
         sys.argv = ["-m", *request["args"]]
         import runpy
 
-        runpy.run_module("hydraddp", run_name="__main__", alter_sys=True)  # hydraddp ends with os._exit
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -140,7 +150,7 @@ def _stop_server() -> None:
 class Launch:
     """What ``run_process`` uses of ``subprocess.Popen``, for a launch forked by the server."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], token_var: str):
+    def __init__(self, module: str, args: list[str], cwd: Path, env: dict[str, str], token_var: str):
         global _server
         # pytest names the running test in PYTEST_CURRENT_TEST: a server per test would start anew at every test
         base_env = {key: value for key, value in env.items() if key not in (token_var, "PYTEST_CURRENT_TEST")}
@@ -148,13 +158,14 @@ class Launch:
             if _server is not None:
                 _server.stop()
             _server = _Server(base_env)
+        self.module = module
         self.returncode: int | None = None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         devnull = os.open(os.devnull, os.O_RDONLY)
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn.connect(_server.path)
-        request = {"args": args, "cwd": str(cwd), "env": env}
+        request = {"module": module, "args": args, "cwd": str(cwd), "env": env}
         socket.send_fds(self.conn, [json.dumps(request).encode()], [devnull, out_w, err_w])
         for fd in (devnull, out_w, err_w):
             os.close(fd)
@@ -178,13 +189,13 @@ class Launch:
         for reader in self.readers:
             reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
             if reader.is_alive():
-                raise subprocess.TimeoutExpired(["hydraddp"], timeout)
+                raise subprocess.TimeoutExpired([self.module], timeout)
         if self.returncode is None:
             self.conn.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.01))
             try:
                 self.returncode = json.loads(self.replies.readline())["returncode"]
             except (TimeoutError, socket.timeout):
-                raise subprocess.TimeoutExpired(["hydraddp"], timeout) from None
+                raise subprocess.TimeoutExpired([self.module], timeout) from None
             self.conn.close()
         text = lambda name: b"".join(self.outputs[name]).decode(errors="replace")  # noqa: E731
         return text("out"), text("err")

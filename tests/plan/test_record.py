@@ -55,9 +55,9 @@ FORKING_LAUNCHER = textwrap.dedent("""
     tracker_stdin, launcher_end = os.pipe()  # as the launcher holds its tracker's stdin
     pipe = os.readlink(f"/proc/self/fd/{launcher_end}")
     recording = Recording(config, 2, Path(sys.argv[1]), fork=True)
-    while os.sched_getscheduler(recording._pid) != os.SCHED_IDLE:  # it lowers its priority once it closed them
+    while os.sched_getscheduler(recording._proc.pid) != os.SCHED_IDLE:  # it lowers its priority once it closed them
         time.sleep(0.005)
-    held = [os.readlink(f"/proc/{recording._pid}/fd/{fd}") for fd in os.listdir(f"/proc/{recording._pid}/fd")]
+    held = [os.readlink(f"/proc/{recording._proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{recording._proc.pid}/fd")]
     print(pipe in held, flush=True)
     recording.wait(120)
 """)
