@@ -148,15 +148,13 @@ def _start(job: Any, outcome: dict[str, Any]) -> dict[str, Any]:
         from hydraddp.tracking.setup import launch_run
 
         tracker = launch_run(job)
-        # Before this process imports torch, mlflow loads on the core that leaves idle. A process that has imported
-        # it already (Python code that calls the CLI, a warm process that forks launches) forks the tracker where
-        # it forks the workers: the tracker then starts with torch (about 2 CPU-seconds) and what else it imported.
-        fork = False
-        if "torch" in sys.modules:
-            from hydraddp.launch import forks_workers
+        # The launch imports torch next, and so does the tracker, to log the model: imported here first, the tracker
+        # forked after it starts with it (about 2 CPU-seconds it would spend again). Not from a process that has
+        # MLflow already (a sweep's, which made the parent run): the fork would share its database connections and
+        # sessions (a sweep's forked trackers never created their runs).
+        import torch  # noqa: F401
 
-            fork = forks_workers(job)
-        tracker.start(fork=fork)
+        tracker.start(fork=sys.platform == "linux" and "mlflow" not in sys.modules)
     from hydraddp.tracking.node import for_launch
 
     node = for_launch(job, tracker)  # over several nodes: each one's system metrics and logs into the run
@@ -168,7 +166,7 @@ def _start(job: Any, outcome: dict[str, Any]) -> dict[str, Any]:
 
 
 def _launch(job: Any, tracker: Any, outcome: dict[str, Any]) -> dict[str, Any]:
-    from hydraddp.distributed import WorkerFailedError  # torch: after the tracker started
+    from hydraddp.distributed import WorkerFailedError
     from hydraddp.launch import launch
     from hydraddp.tracking.run import FAILED, FINISHED, KILLED
 

@@ -124,10 +124,5 @@ def plan_recording(job: Job) -> Any:
 
     if job.wrap not in PLANNED_WRAPS or job.config.get("mesh", {}).get("pp", 1) > 1:
         return None
-    return Recording(job.saved_config, job.world_size, job.job_dir / PLAN_FILE, fork=forks_workers(job))
-
-
-def forks_workers(job: Job) -> bool:
-    """Whether this process forks the launch's workers (``idist.worker_start_method``), and may fork its other
-    helpers the same way."""
-    return idist.detect_launch_env() is None and idist.worker_start_method(job.config["backend"]["name"]) == "fork"
+    forked = idist.detect_launch_env() is None and idist.worker_start_method(job.config["backend"]["name"]) == "fork"
+    return Recording(job.saved_config, job.world_size, job.job_dir / PLAN_FILE, fork=forked)

@@ -1,9 +1,10 @@
 """The launch's MLflow run, kept in a process of its own.
 
-Importing mlflow and creating a run costs about 1.5 CPU-seconds. In a thread of the launcher that work
-competed for the GIL with the launcher's own ``import torch``. As its own process it runs at nice 19 in the
-launcher's session, so the ranks come first (a process in a session of its own would be weighed against
-all the ranks together, by Linux's autogroup) but it is never starved. The launch's plan is made by the launcher,
+Importing mlflow and creating a run costs about 1.5 CPU-seconds. In a thread of the launcher that work would
+compete for the GIL with the launcher and its workers. Forked from the launcher once it has imported torch
+(``hydraddp.forked``; a fresh interpreter where it cannot fork), it runs at nice 19 in the launcher's session, so
+the ranks come first (a process in a session of its own would be weighed against all the ranks together, by Linux's
+autogroup) but it is never starved. The launch's plan is made by the launcher,
 at idle priority (``hydraddp.plan.record.Recording``); the run logs ``plan.json`` once it is written.
 
 The launcher sends two JSON lines on the tracker's stdin: the run's settings at start, the final status

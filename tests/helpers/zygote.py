@@ -37,14 +37,11 @@ def serves(module: str) -> bool:
 
 
 def _serve(path: str) -> None:
-    # What ``python -m hydraddp`` imports before its first launch, and what its tracker imports: a launcher that has
-    # torch forks its tracker (hydraddp.cli), which then starts with MLflow and its pytorch flavor too.
+    # What ``python -m hydraddp`` imports before its first launch, no more: not MLflow, which a launcher that has it
+    # does not fork its tracker from (hydraddp.cli).
     import hydra  # noqa: F401
-    import mlflow.pytorch  # noqa: F401
-    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (the launcher imports it before forking workers, on CPU and gloo)
-    from mlflow.models import infer_signature  # noqa: F401
 
     import hydraddp.cli  # noqa: F401
     import hydraddp.config.schema  # noqa: F401

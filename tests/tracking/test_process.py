@@ -36,19 +36,23 @@ def test_the_tracker_runs_at_nice_19_in_the_launchers_session_but_not_its_proces
     assert tracker._proc.returncode == 0
 
 
-# Python code that calls the CLI after importing torch (a notebook, a warm process that forks launches: the tests'
-# own, tests/helpers/zygote.py), recording whether the tracker was forked and who ran its exit handlers.
-CALLER_WITH_TORCH = """
-import atexit, os, runpy, sys
+# The CLI run from Python code with an exit handler of its own, recording the forked tracker's priority and place.
+CALLER = """
+import atexit, os, runpy, sys, time
 from pathlib import Path
-import torch
 import hydraddp.tracking.process as process
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "exit_handlers_run_by").open("a").write(f"{os.getpid()}\\n"))
 fork = process._forked_tracker
 def recorded():
-    (out / "tracker_forked").touch()
-    return fork()
+    child = fork()
+    deadline = time.monotonic() + 30  # it lowers its priority after it took its own process group
+    while os.getpriority(os.PRIO_PROCESS, child.pid) != 19 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (out / "tracker").write_text(f"nice {os.getpriority(os.PRIO_PROCESS, child.pid)} "
+                                 f"own group {os.getpgid(child.pid) == child.pid != os.getpgid(0)} "
+                                 f"launcher's session {os.getsid(child.pid) == os.getsid(0)}")
+    return child
 process._forked_tracker = recorded
 print(f"caller pid {os.getpid()}", flush=True)
 sys.argv = ["hydraddp", *sys.argv[2:]]
@@ -56,17 +60,16 @@ runpy.run_module("hydraddp", run_name="__main__")
 """
 
 
-def test_a_launcher_that_imported_torch_forks_its_tracker_which_keeps_none_of_the_launchers_exit_handlers(tmp_path):
+def test_the_tracker_is_forked_from_the_launcher_and_keeps_none_of_its_exit_handlers(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from tests.helpers.spawn import run_process
 
     db = tmp_path / "mlflow.db"
-    done = run_process([sys.executable, "-c", CALLER_WITH_TORCH, str(tmp_path), "trainer.max_steps=5",
-                        "trainer.log_every=1", f"tracking.uri=sqlite:///{db}", f"hydra.run.dir={tmp_path / 'job'}"],
-                       cwd=tmp_path)
+    done = run_process([sys.executable, "-c", CALLER, str(tmp_path), "trainer.max_steps=5", "trainer.log_every=1",
+                        f"tracking.uri=sqlite:///{db}", f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "tracker_forked").exists()
+    assert (tmp_path / "tracker").read_text() == "nice 19 own group True launcher's session True"
     caller = done.stdout.split("caller pid ")[1].split()[0]
     assert (tmp_path / "exit_handlers_run_by").read_text().split() == [caller]  # the tracker's exit ran none of them
     client = MlflowClient(f"sqlite:///{db}")
