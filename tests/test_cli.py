@@ -76,6 +76,16 @@ def test_a_multirun_completes_every_job_with_a_summary(sweep):
     assert done.stdout.count("hydraddp: done.") == len(jobs)
     table = done.stdout.split("hydraddp sweep summary", 1)[1]
     assert len(re.findall(r"^\s*\d+\s+ok\s", table, re.M)) == len(jobs)
+    # Each job's tracker created its run, a child of the sweep's (a tracker forked from the sweep's process, which
+    # had MLflow's connections, once never did: the jobs still said "ok").
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{next(iter(jobs.values())).parents[3] / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
+    [parent] = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    children = [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(run.data.tags["hydraddp.job_dir"] for run in children) == sorted(str(job) for job in jobs.values())
+    assert {run.info.status for run in children} == {"FINISHED"}
 
 
 def test_the_same_seed_gives_the_same_training(tmp_path):
