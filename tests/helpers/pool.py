@@ -182,9 +182,11 @@ def serve(local_rank: int, host: str, port: int) -> None:
 
 
 def main(host: str, port: str, backend: str, nproc: str) -> None:
-    from hydraddp.distributed import Parallel
+    import hydraddp.distributed as idist
 
-    parallel = Parallel() if backend == "none" else Parallel(backend=backend, nproc_per_node=int(nproc))
+    # Forked as the CLI forks its workers where that is safe (gloo, no GPU): they start with torch imported.
+    parallel = idist.Parallel() if backend == "none" else idist.Parallel(
+        backend=backend, nproc_per_node=int(nproc), start_method=idist.worker_start_method(backend))
     parallel.run(serve, host, int(port))
 
 
