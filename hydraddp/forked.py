@@ -1,6 +1,6 @@
-"""A helper process forked from the launcher (its plan, its MLflow tracker) where the launch forks its workers: it
-starts with what the launcher imported instead of importing it again in a fresh interpreter (torch alone is about
-2 CPU-seconds), and first drops what is the launcher's, not its own (``leave_the_launcher``).
+"""A helper process forked from the launcher (its MLflow tracker, once torch is imported; its plan, where the launch
+forks its workers): it starts with what the launcher imported instead of importing it again in a fresh interpreter
+(torch alone is about 2 CPU-seconds), and first drops what is the launcher's, not its own (``leave_the_launcher``).
 """
 
 from __future__ import annotations
