@@ -12,9 +12,11 @@ from pathlib import Path
 from hydraddp.tracking.client import sqlite_path
 
 
-def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
-    """Why ``uri`` cannot be used, or None. An HTTP server must answer /health and serve its API to us; a file store
-    must be writable."""
+def preflight(uri: str, timeout_s: float = 5.0, api_timeout_s: float = 60.0) -> str | None:
+    """Why ``uri`` cannot be used, or None. An HTTP server must answer /health within ``timeout_s`` and serve its API
+    to us within ``api_timeout_s``: longer, because a server that answered /health is up, and each of its workers opens
+    its database on its first API request (a PostgreSQL store on a busy node took more than 5 s on a real Slurm
+    cluster in containers). A file store must be writable."""
     if uri.startswith(("http://", "https://")):
         base = uri.rstrip("/")
         try:
@@ -26,7 +28,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> str | None:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             return f"the MLflow server at {uri} cannot be reached ({reason})"
-        return _api_refusal(base, timeout_s)
+        return _api_refusal(base, api_timeout_s)
     path = sqlite_path(uri) or (uri.removeprefix("file://") if uri.startswith("file://") else None)
     if path is not None:
         folder = Path(path).parent if uri.startswith("sqlite:") else Path(path)
@@ -61,7 +63,8 @@ def _api_refusal(base: str, timeout_s: float) -> str | None:
         return (f"the MLflow server at {base} answers /health but refuses its API with HTTP {exc.code}: {said!r}"
                 + (f"; {fix}" if fix else ""))
     except (urllib.error.URLError, OSError) as exc:
-        return f"the MLflow server at {base} answers /health but not its API ({getattr(exc, 'reason', exc)})"
+        return (f"the MLflow server at {base} answers /health but not its API within {timeout_s:g} s "
+                f"({getattr(exc, 'reason', exc)})")
 
 
 def _auth_headers() -> dict[str, str]:
