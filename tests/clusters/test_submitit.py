@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.clusters.test_preemption import run_of
+from hydraddp.distributed.env import free_port
 from tests.helpers.spawn import NO_MODEL, NO_PLAN, UNTRACKED, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
@@ -21,13 +22,22 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm e
 LOCAL = ["hydra/launcher=submitit_local", "launcher.nproc_per_node=2", NO_PLAN, NO_MODEL]
 
 
+def free_master_port() -> dict[str, str]:
+    """The environment of a launch whose tasks meet on a port free now. submitit's own choice is a port drawn from the
+    job id in 20000-60000, most of Linux's ephemeral range: once, beside the other tests, rank 0 could not host its
+    store there and rank 1's connections there went unanswered until launcher.timeout. submitit takes MASTER_PORT
+    when it is set."""
+    return {"MASTER_PORT": str(free_port())}
+
+
 def sweep_jobs(root):
     return sorted(p.parent for p in root.glob("multirun/*/*/*/.hydra"))
 
 
 def test_one_launch_through_submitit_is_one_job_of_two_tasks_and_one_finished_run(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    done = run_cli(*LOCAL, "trainer.max_steps=20", f"tracking.uri={uri}", cwd=tmp_path, timeout=240)
+    done = run_cli(*LOCAL, "trainer.max_steps=20", f"tracking.uri={uri}", cwd=tmp_path, timeout=240,
+                   env=free_master_port())
     assert done.returncode == 0, done.stderr[-4000:]
     assert "hydraddp: done (submitit job). 20 steps at world size 2" in done.stdout
     [job] = sweep_jobs(tmp_path)
@@ -49,7 +59,7 @@ def test_a_rank_0_that_refuses_after_submission_ends_the_other_task_at_once(tmp_
     checkpoint = corrupt_checkpoint(tmp_path / "elsewhere")
     started = time.monotonic()
     done = run_cli(*LOCAL, UNTRACKED, f"checkpoint.resume={checkpoint}", f"launcher.timeout={timeout}", cwd=tmp_path,
-                   timeout=timeout)
+                   timeout=timeout, env=free_master_port())
     wall = time.monotonic() - started
     assert done.returncode == 2, done.stderr[-3000:]  # rank 0's refusal is the job's outcome
     assert "the submitit job ended invalid" in done.stderr and "unreadable meta.json" in done.stderr
