@@ -5,7 +5,9 @@ limit the signal could come at once, before a loaded machine had started the wor
 the job requeued without one). The first time, every rank checkpoints one step and the job is requeued under the same
 job id, and resumes into the same MLflow run (hydraddp.requeued 1). The second time it has timed out max_num_timeout
 times: it is not requeued again, the command exits 3 (preempted: the same command resumes) naming the cause, the run
-ends KILLED with its last checkpoint, and no task is left."""
+ends KILLED with its last checkpoint, and no task is left. Its data comes from a slow reader (5 ms a sample, the
+tests' user_data.slow_digits): the job waits out two minutes, and leaves the machine's cores to the rest of CI (at
+full speed it took 180 CPU-seconds)."""
 
 import re
 import subprocess
@@ -32,6 +34,7 @@ print("$ python -m hydraddp hydra/launcher=slurm hydra.launcher.timeout_min=2 ..
 launch = subprocess.Popen(["python", "-m", "hydraddp", "hydra/launcher=slurm", "launcher.nnodes=2",
                            "launcher.nproc_per_node=1", "backend=gloo", "wrap=ddp", "trainer.max_steps=1000000",
                            "trainer.log_every=50", "trainer.eval_every=0", "plan.record=false",
+                           "data.dataset._target_=tests.train.user_data.slow_digits",
                            "tracking.model.enabled=false", "hydra.launcher.timeout_min=2",
                            "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=1",
                            "tracking.uri=http://mlflow:5000", f"tracking.experiment={EXPERIMENT}"],

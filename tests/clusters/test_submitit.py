@@ -82,7 +82,8 @@ def test_a_rank_0_that_refuses_after_submission_ends_the_other_task_at_once(tmp_
     print(f"submitit refusal: the job ended after {wall:.1f} s (launcher.timeout={timeout}); exit {done.returncode}")
 
 
-def test_a_failed_submitit_job_comes_back_as_an_outcome_and_the_jobs_after_it_are_still_waited_for(tmp_path):
+def test_a_failed_submitit_job_comes_back_as_an_outcome_and_the_jobs_after_it_are_still_waited_for(tmp_path,
+                                                                                                  monkeypatch):
     """The plugin's launch() ends by gathering ``job.results()`` in order, and a failed job raises FailedJobError
     there. Wrapped (``every_job``), the failed job is a JobReturn holding a failed outcome, and the next job's result
     still comes back: the sweep's summary reports every job. Real submitit jobs, read from their result pickles."""
@@ -116,6 +117,8 @@ def test_a_failed_submitit_job_comes_back_as_an_outcome_and_the_jobs_after_it_ar
     with pytest.raises(FailedJobError):  # only for the wrapped call
         launch(jobs)
     # A job that left no result at all (its node lost, the job cancelled) is a failed job too, not Hydra's error.
+    # (submitit gives a shared filesystem 15 s a task for a late result to appear: none will here)
+    monkeypatch.setattr(LocalJob, "_results_timeout_s", 0.5)
     [lost] = every_job(launch)([LocalJob(tmp_path, "3", tasks=(0, 1))])
     assert lost.return_value["status"] == "failed"
     assert lost.return_value["error"] == "submitit job 3 failed: has not produced any output (state: NO PROCESS AND " \
