@@ -149,12 +149,11 @@ def _start(job: Any, outcome: dict[str, Any]) -> dict[str, Any]:
 
         tracker = launch_run(job)
         # The launch imports torch next, and so does the tracker, to log the model: imported here first, the tracker
-        # forked after it starts with it (about 2 CPU-seconds it would spend again). Not from a process that has
-        # MLflow already (a sweep's, which made the parent run): the fork would share its database connections and
-        # sessions (a sweep's forked trackers never created their runs).
+        # forked after it starts with it (about 2 CPU-seconds it would spend again), and with MLflow where this
+        # process has it (a sweep's; the fork leaves its database connections: tracking/process.py).
         import torch  # noqa: F401
 
-        tracker.start(fork=sys.platform == "linux" and "mlflow" not in sys.modules)
+        tracker.start(fork=sys.platform == "linux")
     from hydraddp.tracking.node import for_launch
 
     node = for_launch(job, tracker)  # over several nodes: each one's system metrics and logs into the run

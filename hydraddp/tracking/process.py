@@ -120,6 +120,7 @@ def _forked_tracker() -> ForkedChild:
     if pid == 0:
         os.dup2(read, 0)
         leave_the_launcher()
+        _leave_mlflows_connections()
         os.setpgid(0, 0)
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's own stdin
         from hydraddp.exit_codes import exit_without_teardown
@@ -127,6 +128,19 @@ def _forked_tracker() -> ForkedChild:
         exit_without_teardown(main)
     os.close(read)
     return ForkedChild(pid, open(write, "w", encoding="utf-8"))  # noqa: SIM115 - closed by finish
+
+
+def _leave_mlflows_connections() -> None:
+    """In a tracker forked from a process that used MLflow (a sweep's, which made the parent run): MLflow keeps one
+    SQLAlchemy engine per database for the whole process, and the fork would go on with the parent's pooled
+    connections (forked trackers once shared them and never created their runs). SQLAlchemy's own recipe for a fork:
+    each engine drops its pool without closing the parent's connections, and opens its own."""
+    if "mlflow.store.tracking.sqlalchemy_store" not in sys.modules:
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    for engine in list(SqlAlchemyStore._engine_map.values()):
+        engine.dispose(close=False)
 
 
 def launch_run_of(settings: dict[str, Any]) -> LaunchRun:

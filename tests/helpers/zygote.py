@@ -37,9 +37,11 @@ def serves(module: str) -> bool:
 
 
 def _serve(path: str) -> None:
-    # What ``python -m hydraddp`` imports before its first launch, no more: not MLflow, which a launcher that has it
-    # does not fork its tracker from (hydraddp.cli).
+    # What ``python -m hydraddp`` imports before its first launch, and MLflow's client, which its tracker (forked from
+    # the launch: hydraddp.cli) imports first (1 to 2 CPU-seconds a tracked launch). Imported only: a process that
+    # used MLflow would leave its forks its database connections, which the tracker drops (tracking/process.py).
     import hydra  # noqa: F401
+    import mlflow.tracking  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (the launcher imports it before forking workers, on CPU and gloo)
 
