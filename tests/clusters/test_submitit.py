@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.clusters.test_preemption import run_of
 from hydraddp.distributed.env import free_port
+from tests.clusters.test_preemption import run_of
 from tests.helpers.spawn import NO_MODEL, NO_PLAN, UNTRACKED, run_cli
 
 pytestmark = pytest.mark.slow  # launches for real: see docs/development/tests.md
