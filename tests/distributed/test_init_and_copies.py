@@ -24,6 +24,7 @@ def copies(pools):
     return pools.run("tests.distributed.workers:copies_and_pickles", cases, timeout=240)[0]
 
 
+@pytest.mark.every_python  # pickles of every wrap and precision: what a Python pickles differs between patch levels
 @pytest.mark.parametrize("op", ["deepcopy", "AveragedModel", "torch.save"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("wrap", WRAPS)

@@ -12,6 +12,9 @@ from torch import nn
 from hydraddp.handoff.checkpoints import CheckpointError, check_readable
 from hydraddp.handoff.dcp_index import reader
 
+# What an index holds depends on the Python that pickled it, to its patch level: every claimed Python runs these.
+pytestmark = pytest.mark.every_python
+
 
 class RunsCode:
     def __init__(self, marker):
