@@ -33,8 +33,8 @@ for arg in "$@"; do
   esac
 done
 # Every check, in this order (the cluster is shared: each one's jobs end before the next is submitted). timelimit waits
-# out its two minutes and reads its data slowly: it comes early, while CI's other Pythons' tests take the cores, and the
-# checks that train for real come after, when the cores are free.
+# out its minutes and reads its data slowly: it comes early, while the test suite beside it in CI is at its longest
+# files, and the checks that train for real come after.
 [ ${#checks[@]} -gt 0 ] || checks=(submit sweep srun timelimit claim refusal requeue lostnode search)
 started=$(date +%s)
 WORK=$(mktemp -d /tmp/hydraddp-slurm.XXXXXX)
