@@ -21,6 +21,7 @@ def _result(job) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # past the launch's own 300 s: a launch that hangs is killed with its processes' stacks
 @pytest.mark.parametrize("mesh, ranks", [(["wrap=none", "mesh.pp=2"], 2),
                                          (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_shard=2"], 4)],
                          ids=["pp2-none", "pp2xdp2-fsdp2"])
