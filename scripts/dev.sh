@@ -114,7 +114,7 @@ make_dependencies() {  # $1: run or test; the venv $deps (made here, under a loc
     grep -rlIF "$deps" "$deps/bin" "$deps/pyvenv.cfg" > "$deps/.hydraddp-paths" || true
     touch "$deps/.hydraddp-ready"
   fi
-  flock -u "$deps_lock"
+  exec {deps_lock}>&-  # unlocked: the command this script becomes does not hold it
   # Older keys' venvs (gigabytes each) that no clone has copied for three days.
   find "$CACHE" -maxdepth 1 -name "venv-$kind-*" -type d ! -path "$deps" -mtime +3 -exec rm -rf {} + 2> /dev/null || true
 }
