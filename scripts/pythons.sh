@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every Python that pyproject.toml's requires-python claims, beside the CI machine's own: the checkpoint tests (stop,
-# resume, reshard, export, the index), and on 3.13 the fast tier too, under each Debian's own system Python, in a root made by
-# debootstrap (chroot, in a mount namespace of its own: nothing it mounts outlives it).
+# resume, reshard, export, the index), and on 3.13 the fast tier too, under each Debian's own system Python, in a
+# root made by debootstrap (chroot, in a mount namespace of its own: nothing it mounts outlives it).
 #   sudo bash scripts/pythons.sh                 # all of them (.ci/run)
 #   sudo bash scripts/pythons.sh debian13        # one: debian12 (Python 3.11.2), debian13 (Python 3.13)
 #   sudo bash scripts/pythons.sh debian13 -- tests/train/test_checkpoint_index.py   # other tests
@@ -44,7 +44,10 @@ tests_of() {
   if [ ${#tests[@]} -gt 0 ]; then
     printf '%s\n' "${tests[@]}"
   else
-    case "$1" in debian12) printf '%s\n' -m every_python tests ;; *) printf '%s\n' -m "not slow or every_python" tests ;; esac
+    case "$1" in
+      debian12) printf '%s\n' -m every_python tests ;;
+      *) printf '%s\n' -m "not slow or every_python" tests ;;
+    esac
   fi
 }
 
