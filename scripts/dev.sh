@@ -116,7 +116,8 @@ make_dependencies() {  # $1: run or test; the venv $deps (made here, under a loc
   fi
   exec {deps_lock}>&-  # unlocked: the command this script becomes does not hold it
   # Older keys' venvs (gigabytes each) that no clone has copied for three days.
-  find "$CACHE" -maxdepth 1 -name "venv-$kind-*" -type d ! -path "$deps" -mtime +3 -exec rm -rf {} + 2> /dev/null || true
+  find "$CACHE" -maxdepth 1 -name "venv-$kind-*" -type d ! -path "$deps" -mtime +3 -exec rm -rf {} + 2> /dev/null \
+    || true
 }
 copy_dependencies() {  # the clone's venv: $deps, hard-linked (copied across file systems), with its own paths
   local venv_path file
