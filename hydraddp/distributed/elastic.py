@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from hydraddp.distributed import context
+from hydraddp.distributed import context, fork_gate
 
 from hydraddp.parallel import machine
 from hydraddp.distributed.comp_models.base import ComputationModel
@@ -59,6 +59,7 @@ class _Entry:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
                 signal.signal(sig, signal.SIG_DFL)
+            fork_gate.wait()  # no store connection while the launcher still forks (fork_gate)
         if self.failure_dir is not None:  # where the launcher finds its workers (_forwarding)
             Path(self.failure_dir, f"{os.getpid()}{WORKER_PID_SUFFIX}").touch()
         for key, value in self.env.items():
@@ -135,7 +136,7 @@ def _stop_without_unwinding() -> NoReturn:
     os._exit(128 + signal.SIGINT)
 
 
-def worker_start_method(backend: str | None) -> str:
+def worker_start_method(backend: str | None, nnodes: int = 1) -> str:
     """``fork`` where it is safe for a launcher process that has imported torch but run no tensor op, else
     ``spawn``.
 
@@ -143,9 +144,11 @@ def worker_start_method(backend: str | None) -> str:
     imports it again. Safe for gloo on Linux on a machine without GPUs: a forked child cannot use CUDA once
     its parent initialized it, and a gloo worker may still use a GPU for its tensors, so any visible GPU
     means spawn. A process that ran tensor ops may hold OpenMP threads a child cannot use, so ``Parallel``
-    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this.
+    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this. On one node
+    only: the agent's store thread must not be naming a connection while it forks (``fork_gate``), and other
+    nodes' workers connect to it whenever they start.
     """
-    if backend == "gloo" and sys.platform == "linux" and machine.cuda_device_count() == 0 \
+    if backend == "gloo" and nnodes == 1 and sys.platform == "linux" and machine.cuda_device_count() == 0 \
             and not torch.cuda.is_initialized():
         return "fork"
     return "spawn"
@@ -303,7 +306,8 @@ def launch(
     entry = _Entry(model_cls, backend, fn, args, kwargs, init_kwargs, failure_dir,
                    forked=config.start_method == "fork")
     try:
-        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors(), _forwarding(failure_dir):
+        with _worker_env(_one_thread_per_rank(nproc_per_node)), _quiet_elastic_errors(), _forwarding(failure_dir), \
+                (fork_gate.forking(nproc_per_node) if entry.forked else contextlib.nullcontext()):
             return elastic_launch(config, _run_entry)(entry)
     except ChildFailedError as exc:
         raise (_first_recorded_failure(failure_dir) or _stuck_at_exit(failure_dir, exc) or _failure_from(exc)) \

@@ -1,11 +1,11 @@
 """A client of a torch ``TCPStore`` (the elastic agent's, or rank 0's) whose connection cannot hang.
 
 torch bounds the TCP connect by the store's ``timeout``, but not the handshake that follows: ``TCPStore::ping`` waits
-in ``recv`` with no timeout at all. A server that accepted the connection and never answered left a worker there for
-good; its peers, waiting for its address, waited with it (seen in a 4-rank launch on a loaded machine: one worker in
-the constructor, three in ``init_process_group``). Each connection here is made on a thread of its own, given
-``HANDSHAKE_S`` to answer, and made again until ``timeout``; the constructor releases the GIL while it waits, so a
-connection left unanswered keeps only its daemon thread.
+in ``recv`` with no timeout at all: a server that accepted the connection and never answered would leave a worker there
+for good, its peers waiting for its address with it. Each connection here is made on a thread of its own, given
+``HANDSHAKE_S`` to answer, and made again until ``timeout``, then ``StoreUnreachableError``; the constructor releases
+the GIL while it waits, so a connection left unanswered keeps only its daemon thread. (The hang once blamed on an
+unanswered handshake, one worker of four in the constructor, was a forked worker's resolver lock: ``fork_gate``.)
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ def test_a_visible_gpu_means_workers_are_spawned_not_forked(monkeypatch):
     from hydraddp.parallel import machine
 
     assert launcher.worker_start_method("gloo") == "fork"  # this CPU machine
+    assert launcher.worker_start_method("gloo", nnodes=2) == "spawn"  # other nodes' workers connect at any time
     monkeypatch.setattr(machine, "cuda_device_count", lambda *a: 1)
     assert launcher.worker_start_method("gloo") == "spawn"
 
