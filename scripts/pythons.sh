@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every Python that pyproject.toml's requires-python claims, beside the CI machine's own: the checkpoint tests (stop,
-# resume, reshard, export, the index), and on 3.13 the fast tier too, under each Debian's own system Python, in a
-# root made by debootstrap (chroot, in a mount namespace of its own: nothing it mounts outlives it).
+# resume, reshard, export, the index), and on 3.13 the fast tests of what leans on the interpreter too, under each
+# Debian's own system Python, in a root made by debootstrap (chroot, in a mount namespace of its own: nothing it mounts
+# outlives it).
 #   sudo bash scripts/pythons.sh                 # all of them (.ci/run)
 #   sudo bash scripts/pythons.sh debian13        # one: debian12 (Python 3.11.2), debian13 (Python 3.13)
 #   sudo bash scripts/pythons.sh debian13 -- tests/train/test_checkpoint_index.py   # other tests
@@ -32,21 +33,28 @@ while [ $# -gt 0 ]; do
 done
 [ ${#targets[@]} -gt 0 ] || targets=(debian12 debian13)
 # What each Python runs, unless told (-- pytest args):
-# - debian13 (Python 3.13, another minor than CI's 3.11.7): the fast tier and the tests marked every_python (the
-#   checkpoints' stop, resume, reshard, export and index), in one run: the checkpoint file's launches go on beside
-#   the fast tier's tests (the longest files first, tests/conftest.py), not on one worker after them.
 # - debian12 (Python 3.11.2, the compose image's: CI's own minor, a patch level apart): the tests marked every_python.
 #   What differs between patch levels of one minor is what a pickle holds (3.11.2 pickles enum members through
 #   getattr); the rest of the fast tier runs on 3.11.7, and the compose test and the Slurm test run the whole program
 #   on 3.11.2 besides, in the image. (Its fast tier here was 234 CPU-s of CI's two cores, and found nothing 3.11.7's
 #   did not.)
+# - debian13 (Python 3.13, another minor than CI's 3.11.7): the tests marked every_python, and the fast tests of what
+#   leans on the interpreter itself rather than on torch: the config's composition and types (tests/config,
+#   tests/preflight), signals and exits (tests/test_exit_codes.py), file locks and leases (tests/test_lease.py), and
+#   MLflow's stores (tests/tracking). A third of the fast tier's test time, in one run (the checkpoints' launches
+#   beside the rest: the longest files first, tests/conftest.py). The rest of the fast tier (meshes, plans, wraps,
+#   the docs' checks: torch's numerics and the repository's text, the same on every Python) ran here for 190 of its
+#   300 CPU-s of CI's two cores, and found nothing 3.11.7's did not.
+PYTHON_SENSITIVE=(tests/train/test_checkpoint.py tests/train/test_checkpoint_index.py
+                  tests/train/test_checkpoint_lineage.py tests/distributed/test_init_and_copies.py tests/config
+                  tests/preflight tests/test_exit_codes.py tests/test_lease.py tests/tracking)
 tests_of() {
   if [ ${#tests[@]} -gt 0 ]; then
     printf '%s\n' "${tests[@]}"
   else
     case "$1" in
       debian12) printf '%s\n' -m every_python tests ;;
-      *) printf '%s\n' -m "not slow or every_python" tests ;;
+      *) printf '%s\n' -m "not slow or every_python" "${PYTHON_SENSITIVE[@]}" ;;
     esac
   fi
 }
