@@ -101,7 +101,7 @@ def parallel_for(plain: dict[str, Any]) -> idist.Parallel:
         node_rank=None if attached else launcher["node_rank"],
         rdzv_endpoint=None if attached else launcher["rdzv_endpoint"],
         max_restarts=launcher["max_restarts"],
-        start_method=idist.worker_start_method(backend, launcher["nnodes"]),
+        start_method=idist.worker_start_method(backend, launcher["nnodes"], launcher["node_rank"]),
     )
 
 

@@ -136,7 +136,7 @@ def _stop_without_unwinding() -> NoReturn:
     os._exit(128 + signal.SIGINT)
 
 
-def worker_start_method(backend: str | None, nnodes: int = 1) -> str:
+def worker_start_method(backend: str | None, nnodes: int = 1, node_rank: int = 0) -> str:
     """``fork`` where it is safe for a launcher process that has imported torch but run no tensor op, else
     ``spawn``.
 
@@ -144,12 +144,13 @@ def worker_start_method(backend: str | None, nnodes: int = 1) -> str:
     imports it again. Safe for gloo on Linux on a machine without GPUs: a forked child cannot use CUDA once
     its parent initialized it, and a gloo worker may still use a GPU for its tensors, so any visible GPU
     means spawn. A process that ran tensor ops may hold OpenMP threads a child cannot use, so ``Parallel``
-    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this. On one node
-    only: the agent's store thread must not be naming a connection while it forks (``fork_gate``), and other
-    nodes' workers connect to it whenever they start.
+    itself defaults to spawn and hydraddp's CLI, whose launching process runs none, asks for this. Not on the node
+    that hosts the agents' store (node 0) of several: its store thread must not be naming a connection while the
+    agent forks (``fork_gate``), and the other nodes' workers connect to it whenever they start. (On one node, only
+    its own workers do, and they wait for their round's forks.)
     """
-    if backend == "gloo" and nnodes == 1 and sys.platform == "linux" and machine.cuda_device_count() == 0 \
-            and not torch.cuda.is_initialized():
+    if backend == "gloo" and (nnodes == 1 or node_rank != 0) and sys.platform == "linux" \
+            and machine.cuda_device_count() == 0 and not torch.cuda.is_initialized():
         return "fork"
     return "spawn"
 

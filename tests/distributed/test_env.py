@@ -91,7 +91,9 @@ def test_a_visible_gpu_means_workers_are_spawned_not_forked(monkeypatch):
     from hydraddp.parallel import machine
 
     assert launcher.worker_start_method("gloo") == "fork"  # this CPU machine
-    assert launcher.worker_start_method("gloo", nnodes=2) == "spawn"  # other nodes' workers connect at any time
+    # Node 0 of several hosts the agents' store, which the other nodes' workers connect to at any time: no fork there.
+    assert launcher.worker_start_method("gloo", nnodes=2, node_rank=0) == "spawn"
+    assert launcher.worker_start_method("gloo", nnodes=2, node_rank=1) == "fork"
     monkeypatch.setattr(machine, "cuda_device_count", lambda *a: 1)
     assert launcher.worker_start_method("gloo") == "spawn"
 
