@@ -40,7 +40,7 @@ class Layout:
     blocks: tuple[type | str, ...] = ()  # the model's blocks: activation checkpointing, per-block compile
     units: Any = None  # the FSDP unit policy (fsdp, fsdp2), resolved
     tp_plan: Mapping[str, Any] | None = None  # given instead of the model's own (fsdp2 with mesh tp > 1)
-    user_mesh: Any = None  # a user's own DeviceMesh (fsdp2, data parallel only)
+    user_mesh: Any = None  # a user's own DeviceMesh (fsdp2): data parallel, or named as MeshShape's dims
     wrapper_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the wrapper's own keywords, as given
 
     @property

@@ -29,7 +29,7 @@ from torch import nn
 
 from hydraddp.parallel import meta_init, policies, simulation, wrappers
 from hydraddp.parallel.combinations import ConfigurationError, Problem
-from hydraddp.parallel.mesh import data_parallel
+from hydraddp.parallel.mesh import DIMS, data_parallel
 from hydraddp.parallel.mesh import build as build_mesh
 from hydraddp.parallel.layout import AUTOCAST_WRAPS, SYNC_BN_WRAPS, Layout
 from hydraddp.parallel.precision import add_precision_hooks, fsdp2_mp_policy
@@ -49,8 +49,8 @@ def parallelize(model: nn.Module, layout: Layout) -> tuple[nn.Module, list[str],
     if layout.wrap == "fsdp2":
         # Every rank starts from the first rank's weights, before anything splits them (a meta build has none yet:
         # its values are drawn alike on every rank, after sharding). The other wrappers broadcast for themselves.
-        broadcast_module_states(model, dp_mesh.get_group() if tp_mesh is None and dp_mesh.ndim == 1 else
-                                torch.distributed.group.WORLD, layout.device)
+        for group in _broadcast_groups(layout, dp_mesh, tp_mesh):
+            broadcast_module_states(model, group, layout.device)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, resolve_tp_plan(model, layout.tp_plan))
     # FSDP1: inside its units, after wrapping (torch's order): a checkpoint wrapper around a unit hides the unit's
@@ -95,13 +95,18 @@ def prepare(model: nn.Module, layout: Layout) -> nn.Module:
 
 
 def _meshes(layout: Layout) -> tuple[Any, Any]:
-    """The data-parallel mesh FSDP2 shards over, and the TP mesh (None without TP)."""
+    """The data-parallel mesh FSDP2 shards over, and the TP mesh (None without TP). A user's own mesh (``mesh=``) is
+    the data-parallel one, or, when its dimensions are named as ``MeshShape``'s, split by those names (a pipeline
+    stage's: the mesh of every stage, whose ``pp`` dimension is not the stage's to shard over)."""
     shape = layout.mesh_shape
     if layout.user_mesh is not None:
         if shape.multi_dimensional:
             raise ValueError(f"mesh= (your own DeviceMesh) and mesh_shape={shape.describe()} both say what to shard "
                              "over; pass one of them.")
-        return layout.user_mesh, None
+        if not _named_as_ours(layout.user_mesh):
+            return layout.user_mesh, None
+        tp = layout.user_mesh["tp"]
+        return data_parallel(layout.user_mesh), (tp if tp.size() > 1 else None)
     planned = simulation.active()  # a plan's mesh was made before its fake tensors, which cannot make one
     if not shape.multi_dimensional:
         from torch.distributed.device_mesh import init_device_mesh
@@ -109,6 +114,21 @@ def _meshes(layout: Layout) -> tuple[Any, Any]:
         return (planned.mesh if planned else init_device_mesh(layout.device.type, (layout.world_size,))), None
     mesh = planned.mesh if planned else build_mesh(shape, layout.device.type)
     return data_parallel(mesh), (mesh["tp"] if shape.tp > 1 else None)
+
+
+def _named_as_ours(mesh: Any) -> bool:
+    return set(DIMS) <= set(mesh.mesh_dim_names or ())
+
+
+def _broadcast_groups(layout: Layout, dp_mesh: Any, tp_mesh: Any) -> list[Any]:
+    """The groups that give every rank holding this model the first one's weights: the data-parallel mesh's one
+    group; the groups of each dimension in turn on a user's named mesh (the ranks of one pipeline stage, which other
+    stages' ranks, holding other modules, are not in); every rank otherwise."""
+    if tp_mesh is None and dp_mesh.ndim == 1:
+        return [dp_mesh.get_group()]
+    if layout.user_mesh is not None:
+        return [layout.user_mesh.get_group(name) for name in DIMS if layout.user_mesh[name].size() > 1]
+    return [torch.distributed.group.WORLD]
 
 
 # --- 2. activation checkpointing ----------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ under one of torch's schedules (``torch.distributed.pipelining``), torchtitan's 
 - **Where stages go.** One per rank (``1F1B``, ``GPipe``); ``stages_per_rank`` per rank, looping over the ranks
   (``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``), or two per rank in a V (``ZBVZeroBubble``,
   ``DualPipeV``: rank 0 holds the first and the last).
-- **Each stage is parallelized** by the one pipeline every wrap goes through (``parallelize``: activation
-  checkpointing, compile, then ``fully_shard`` over the data-parallel ranks of the stage): PP is cut first, as in
-  torchtitan.
+- **Each stage is parallelized** by the one pipeline every wrap goes through (``parallelize``: TP over the stage's TP
+  ranks, activation checkpointing, compile, then ``fully_shard`` over its data-parallel ranks): PP is cut first, as
+  in torchtitan.
 - **The bubble** of each step, on each rank: the share of the step this rank's stages did not compute (their
   forward and backward passes of each microbatch, timed as the schedule runs them; the rest is waiting for another
   stage, and the sends and receives). 1F1B's textbook bubble is (p - 1) / (m + p - 1) for p stages and m microbatches.
@@ -156,6 +156,7 @@ class Pipeline:
     group: Any  # the pipeline's process group (the ranks of one data-parallel slice, one per stage place)
     holders: dict[int, int]  # each stage's rank (global)
     computing: list[float]  # seconds this rank's stages have computed, so far (``_timed``)
+    shape: PipelineShape = PipelineShape()
     bubble: float | None = None  # the last step's bubble on this rank: the share of it not computing
 
     @property
@@ -172,6 +173,23 @@ class Pipeline:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters()]
+
+    def held(self) -> nn.Module:
+        """This rank's stages as one module, under the whole model's names: the stage itself, or (the looped and
+        V-shaped schedules) a module holding the modules of each of its stages, the blocks of all of them in one
+        ``ModuleDict``. What the optimizer, the checkpoint and the report see: the same modules and parameters as the
+        schedule runs, so a checkpoint holds each of them once, under its name in the whole model."""
+        if len(self.stages) == 1:
+            return self.stages[0]
+        held, blocks = nn.Module(), nn.ModuleDict()
+        for stage in self.stages:  # in stage order: the blocks in the model's order
+            for name, child in stage.named_children():
+                if name == self.shape.blocks:
+                    blocks.update(child.items())
+                else:
+                    held.add_module(name, child)
+        held.add_module(self.shape.blocks, blocks)
+        return held
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One training step's forward and backward over the microbatches of ``inputs`` (the first stage's) against
@@ -216,7 +234,7 @@ def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
         runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     holders = {stage: dist.get_global_rank(group, rank) for rank in range(pp)
                for stage in stage_ids(rank, pp, schedule, per_rank)}
-    return Pipeline(modules, indices, num_stages, runner, group, holders, computing)
+    return Pipeline(modules, indices, num_stages, runner, group, holders, computing, shape)
 
 
 COMPUTING = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")  # a stage's own work

@@ -65,6 +65,16 @@ def resolve_tp_plan(model: nn.Module, given: Mapping[str, Any] | None = None) ->
     return resolved
 
 
+def held_tp_plan(model: nn.Module, given: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The entries of ``given`` (else the model's own plan) that name a module ``model`` holds: a pipeline stage, a
+    copy of the model less the blocks, embeddings or head that other stages hold, splits what it has."""
+    plan = {str(key): style for key, style in given.items()} if given else declared_tp_plan(model)
+    if not plan:
+        return None
+    names = [name for name, _ in model.named_modules()]
+    return {pattern: style for pattern, style in plan.items() if any(_matches(name, pattern) for name in names)}
+
+
 def apply_tp(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
     """Split ``model``'s layers over ``tp_mesh`` as ``plan`` says (``parallelize_module``; ``*`` matches one name)."""
     from torch.distributed.tensor.parallel import parallelize_module

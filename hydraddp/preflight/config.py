@@ -181,25 +181,22 @@ def _pipeline_problems(settings: Settings, shape: MeshShape, wrap: str) -> list[
     from hydraddp.parallel.pipeline import NotPipelinable, stages_per_rank_of
 
     mesh = settings.config.mesh
-    if wrap not in ("fsdp2", "none") or (wrap == "none" and shape.dp > 1):
+    if wrap not in ("fsdp2", "none") or (wrap == "none" and (shape.dp > 1 or shape.tp > 1)):
         return [Problem(("mesh.pp", "wrap"),
                         f"mesh.pp={shape.pp} with wrap={wrap}: each pipeline stage is sharded over its data-parallel "
-                        "ranks by FSDP2's fully_shard (torchtitan's PP x FSDP2), which ddp, fsdp (FSDP1), dp and "
-                        "horovod do not do per stage.",
-                        "Use wrap=fsdp2 (or wrap=none with no data parallel), or leave mesh.pp=1.")]
+                        "ranks and split over its TP ranks on FSDP2's device mesh (torchtitan's PP x FSDP2 x TP), "
+                        "which ddp, fsdp (FSDP1), dp and horovod do not do per stage.",
+                        "Use wrap=fsdp2 (or wrap=none with mesh.pp alone), or leave mesh.pp=1.")]
     if shape.tp > 1:
-        return [Problem(("mesh.pp", "mesh.tp"), f"mesh {shape.describe()}: tensor parallel inside pipeline stages "
-                        "is not built yet.", "Use mesh.pp or mesh.tp, not both.")]
+        found = _tp_problems(settings, shape)
+        if found:
+            return found
     try:
         stages = shape.pp * stages_per_rank_of(mesh.pp_schedule, mesh.pp_stages_per_rank)
     except NotPipelinable as exc:
         return [Problem(("mesh.pp_schedule", "mesh.pp_stages_per_rank"), f"{exc}.",
                         "Set mesh.pp_schedule=1F1B (one stage per rank), or Interleaved1F1B with "
                         "mesh.pp_stages_per_rank=2.")]
-    if stages > shape.pp:
-        return [Problem(("mesh.pp_schedule",), f"mesh.pp_schedule={mesh.pp_schedule} runs several stages on each "
-                        "rank; training runs one stage per rank for now (a rank's stages are not yet one model to "
-                        "checkpoint).", "Set mesh.pp_schedule=1F1B or GPipe.")]
     found = _pipeline_limits(settings, shape)
     if found:
         return found
@@ -219,8 +216,6 @@ def _pipeline_limits(settings: Settings, shape: MeshShape) -> list[Problem]:
     """What pipeline stages do not combine with yet, each with its reason."""
     config = settings.config
     limits = [
-        (shape.dp_replicate > 1, ("mesh.pp", "mesh.dp_replicate"), "HSDP inside pipeline stages is not built yet",
-         "Use mesh.dp_shard for the data-parallel ranks of each stage."),
         (config.precision.name == "fp16", ("mesh.pp", "precision"), "fp16's gradient scaler is not run across "
          "pipeline stages", "Use precision=bf16 or fp32."),
         (config.trainer.accumulate_grad_batches > 1, ("mesh.pp", "trainer.accumulate_grad_batches"),

@@ -99,13 +99,13 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
         return [Problem(("model.pretrained",), f"model.pretrained={pretrained} does not fit this model: {wrong}. "
                         "Start from weights of the same architecture and sizes.", "")]
     if pp > 1:  # the model's blocks, cut into the stages asked for
-        return _pipeline_problems(cfg, model)
-    if tp > 1:  # the model's plan, and every size it splits, against mesh.tp
+        found = _pipeline_problems(cfg, model)
+    if tp > 1 and not found:  # the model's plan, and every size it splits, against mesh.tp
         from hydraddp.build import tp_kwargs
         from hydraddp.parallel.tp import tp_problems
 
-        return tp_problems(model, tp, tp_kwargs(cfg).get("tp_plan"))
-    return []
+        found = tp_problems(model, tp, tp_kwargs(cfg).get("tp_plan"))
+    return found
 
 
 def _pipeline_problems(cfg: DictConfig, model: Any) -> list[Problem]:

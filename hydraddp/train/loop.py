@@ -111,7 +111,7 @@ class _Parts:
     eval_set: Any
     copies: int = 1  # the ranks that read (and count) the same batch: a TP group's, a pipeline's
     data_rank: int = 0  # this rank's data-parallel rank (``data.readers``): which share it reads, whose seeds it draws
-    pipe: Any = None  # under pipeline parallel, this rank's stage and the schedule (``model`` is the stage)
+    pipe: Any = None  # under pipeline parallel, this rank's stages and the schedule (``model``: its stages as one)
 
     @property
     def whole_model(self) -> nn.Module:
@@ -129,7 +129,7 @@ def _build(cfg: DictConfig, job_dir: Path | None) -> _Parts:
     pipe = None
     if pipeline_stages(cfg) > 1:  # cut first, then each stage sharded (torchtitan's order)
         pipe = pipelined.build(cfg, bare, task, idist.device(), idist.get_world_size())
-        model = pipe.stages[0]  # one stage per rank (the preflight's rule)
+        model = pipelined.held(pipe)  # this rank's stages, as one module under the whole model's names
     else:
         model, _ = wrap_model(cfg, bare)
     params = parameter_groups(model, cfg.optim.no_decay_norm_and_bias)

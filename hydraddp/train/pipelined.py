@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from hydraddp.parallel import pipeline
-from hydraddp.parallel.mesh import MeshShape, build as build_mesh, data_parallel
+from hydraddp.parallel.mesh import MeshShape, build as build_mesh
+from hydraddp.parallel.tp import held_tp_plan
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 HEADER = 10  # a sent tensor's header: its dtype's index, its number of dimensions, and up to 8 sizes
@@ -26,8 +27,9 @@ HEADER = 10  # a sent tensor's header: its dtype's index, its number of dimensio
 
 def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, world_size: int) -> pipeline.Pipeline:
     """``model`` (built whole, alike on every rank) cut for this rank, each stage made parallel by ``auto_model``
-    over the stage's data-parallel ranks with the config's wrap, precision and blocks; its report names the whole
-    mesh and this rank's place in it."""
+    with the config's wrap, precision and blocks: sharded over the stage's data-parallel ranks (HSDP with
+    ``mesh.dp_replicate``), split over its TP ranks by the entries of the TP plan that name its modules; its report
+    names the whole mesh and this rank's place in it."""
     import dataclasses
 
     import hydraddp.distributed as idist
@@ -35,14 +37,15 @@ def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, wo
 
     shape = MeshShape.of(cfg.mesh).resolved(world_size)
     mesh = build_mesh(shape, device.type)
-    dp_mesh = data_parallel(mesh)
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
-        sharded = cfg.wrap.name == "fsdp2"
+        # FSDP2 over the stage's data-parallel ranks, and TP over its TP ranks: the mesh's own dimensions by name
+        meshes: dict[str, Any] = {"mesh": mesh} if cfg.wrap.name == "fsdp2" else {}
+        if shape.tp > 1:
+            meshes["tp_plan"] = held_tp_plan(stage, cfg.wrap.get("tp_plan"))
         stage = idist.auto_model(stage, wrap=cfg.wrap.name, precision=cfg.precision.name,
                                  activation_checkpointing=cfg.trainer.activation_checkpointing,
-                                 compile=cfg.trainer.compile, **({"mesh": dp_mesh} if sharded else {}),
-                                 **wrap_kwargs(cfg, stage))
+                                 compile=cfg.trainer.compile, **meshes, **wrap_kwargs(cfg, stage))
         stage._hydraddp_wrap = dataclasses.replace(stage._hydraddp_wrap, mesh=shape.describe())
         return stage
 
@@ -50,9 +53,28 @@ def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, wo
         return task.loss(lambda _inputs: output, (None, targets))  # the last stage's output, as the model's
 
     split: Sequence[int] | None = list(cfg.mesh.pp_split) if cfg.mesh.pp_split else None
-    microbatches = cfg.mesh.pp_microbatches or shape.pp
+    # null: one per stage, as the preflight checked
+    microbatches = cfg.mesh.pp_microbatches or shape.pp * pipeline.stages_per_rank_of(cfg.mesh.pp_schedule,
+                                                                                     cfg.mesh.pp_stages_per_rank)
     return pipeline.build(model, mesh["pp"], cfg.mesh.pp_schedule, microbatches, loss_fn, device, parallelize_stage,
                           stages_per_rank=cfg.mesh.pp_stages_per_rank, split=split)
+
+
+def held(pipe: pipeline.Pipeline) -> nn.Module:
+    """This rank's stages as one module under the whole model's names (``Pipeline.held``), with the wrap record of
+    them together: what the loop's optimizer, checkpoint and report take as the model."""
+    import dataclasses
+
+    model = pipe.held()
+    if len(pipe.stages) > 1:
+        records = [stage._hydraddp_wrap for stage in pipe.stages]
+        trainable = [r.trainable_numel for r in records]
+        model._hydraddp_wrap = dataclasses.replace(
+            records[0], total_numel=sum(r.total_numel for r in records),
+            trainable_numel=None if None in trainable else sum(trainable),
+            checkpointed=tuple(n for r in records for n in r.checkpointed),
+            compiled=tuple(n for r in records for n in r.compiled))
+    return model
 
 
 def train_step(pipe: pipeline.Pipeline, batch: Any, optimizer: torch.optim.Optimizer,

@@ -1,7 +1,8 @@
 """Pipeline parallel through the command (issue 56): ``python -m hydraddp mesh.pp=2`` on real gloo ranks, with every
 default on (tracking, the logged model, checkpoints, evaluation) and gradient clipping, trains as one process does,
-under wrap=none and with FSDP2 sharding each stage (pp=2 x dp_shard=2); stopped and resumed, it ends where the
-uninterrupted launch does; and what it cannot run yet is refused before any process starts, saying why."""
+under wrap=none and with each stage sharded by FSDP2, split by TP, replicated by HSDP, and all at once (pp=2 x
+dp_shard=2 x tp=2, 8 ranks); stopped and resumed, it ends where the uninterrupted launch does; and what it cannot
+run yet is refused before any process starts, saying why."""
 
 from __future__ import annotations
 
@@ -20,33 +21,61 @@ def _result(job) -> dict:
     return json.loads((job / "result.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """What every pipelined launch here is compared with: the same training in one process, unwrapped."""
+    cwd = tmp_path_factory.mktemp("alone")
+    alone = run_cli(*SAME, "wrap=none", "trainer.max_steps=8", "launcher.nproc_per_node=1", "tracking.enabled=false",
+                    cwd=cwd)
+    assert alone.returncode == 0, alone.stderr[-4000:]
+    [one] = job_dirs(cwd)
+    return _result(one)
+
+
+# Each mesh's ranks in order: their coordinates ([pp, dp_replicate, dp_shard, tp]) and their stage's FSDP2 units.
+FIRST, SECOND = ["<root>", "blocks.0", "blocks.1"], ["<root>", "blocks.2", "blocks.3"]
+MESHES = {
+    "pp2-none": (["wrap=none", "mesh.pp=2"], 2, None, None),
+    "pp2xdp2-fsdp2": (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_shard=2"], 4,
+                      [[0, 0, 0, 0], [0, 0, 1, 0], [1, 0, 0, 0], [1, 0, 1, 0]], [FIRST] * 2 + [SECOND] * 2),
+    "pp2xtp2": (["wrap=fsdp2", "mesh.pp=2", "mesh.tp=2"], 4,
+                [[0, 0, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 1]], [FIRST] * 2 + [SECOND] * 2),
+    "pp2xhsdp2": (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_replicate=2"], 4,
+                  [[0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]], [FIRST] * 2 + [SECOND] * 2),
+    # Two stages per rank, looped (rank 0 holds stages 0 and 2: blocks 0 and 2), as one module of the whole model's
+    # names: its units are its stages' blocks.
+    "pp2xdp2-interleaved": (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_shard=2", "mesh.pp_schedule=Interleaved1F1B",
+                             "mesh.pp_stages_per_rank=2"], 4,
+                            [[0, 0, 0, 0], [0, 0, 1, 0], [1, 0, 0, 0], [1, 0, 1, 0]],
+                            [["blocks.0", "blocks.2"]] * 2 + [["blocks.1", "blocks.3"]] * 2),
+    "pp2xdp2xtp2": (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], 8,
+                    [[p, 0, s, t] for p in (0, 1) for s in (0, 1) for t in (0, 1)], [FIRST] * 4 + [SECOND] * 4),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # past the launch's own 300 s: a launch that hangs is killed with its processes' stacks
-@pytest.mark.parametrize("mesh, ranks", [(["wrap=none", "mesh.pp=2"], 2),
-                                         (["wrap=fsdp2", "mesh.pp=2", "mesh.dp_shard=2"], 4)],
-                         ids=["pp2-none", "pp2xdp2-fsdp2"])
-def test_a_pipelined_launch_trains_as_one_process_with_every_default_on(tmp_path, mesh, ranks):
+@pytest.mark.parametrize("name", MESHES)
+def test_a_pipelined_launch_trains_as_one_process_with_every_default_on(tmp_path, one_process, name):
+    """PP alone, and each stage sharded (FSDP2), split (TP), replicated and sharded (HSDP), and all three (8 ranks)."""
     from mlflow import MlflowClient
 
+    mesh, ranks, coordinates, units = MESHES[name]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     launched = run_cli(*SAME, *mesh, "trainer.max_steps=8", "checkpoint.every_n_steps=4",
                        f"launcher.nproc_per_node={ranks}", f"tracking.uri={uri}", cwd=tmp_path / "run", timeout=300)
     assert launched.returncode == 0, launched.stderr[-4000:]
-    alone = run_cli(*SAME, "wrap=none", "trainer.max_steps=8", "launcher.nproc_per_node=1", "tracking.enabled=false",
-                    cwd=tmp_path / "alone")
-    assert alone.returncode == 0, alone.stderr[-4000:]
-    [job], [one] = job_dirs(tmp_path / "run"), job_dirs(tmp_path / "alone")
-    result, expected = _result(job), _result(one)
+    [job] = job_dirs(tmp_path / "run")
+    result, expected = _result(job), one_process
     assert list(result["losses"].values()) == pytest.approx(list(expected["losses"].values()), abs=1e-5)
     assert result["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-5)
     assert (job / "checkpoints" / "step_00000004").is_dir() and (job / "checkpoints" / "step_00000008").is_dir()
-    if "wrap=fsdp2" in mesh:
-        assert [report["mesh_coordinate"] for report in result["reports"]] == \
-            [[0, 0, 0, 0], [0, 0, 1, 0], [1, 0, 0, 0], [1, 0, 1, 0]]
-        assert [report["units"] for report in result["reports"]] == \
-            [["<root>", "blocks.0", "blocks.1"]] * 2 + [["<root>", "blocks.2", "blocks.3"]] * 2
+    if coordinates is not None:
+        assert [report["mesh_coordinate"] for report in result["reports"]] == coordinates
+        assert [report["units"] for report in result["reports"]] == units
     # Every rank's report names the whole mesh, and its stage's blocks are its units (FSDP2's, each sharded).
-    described = f"pp=2,dp_replicate=1,dp_shard={ranks // 2},tp=1"
+    degrees = dict(o.removeprefix("mesh.").split("=") for o in mesh if o.startswith("mesh.") and "pp_" not in o)
+    described = ",".join(f"{d}={degrees.get(d, 1)}" for d in ("pp", "dp_replicate", "dp_shard", "tp"))
     assert [report["mesh"] for report in result["reports"]] == [described] * ranks
     client = MlflowClient(uri)
     [run] = client.search_runs([client.get_experiment_by_name("hydraddp").experiment_id])
@@ -101,16 +130,17 @@ NO_SHAPE = ["backend=gloo", "model=mlp", "data=digits"]  # the MLP declares no p
 
 @pytest.mark.parametrize("overrides, said", [
     ([*SAME, "wrap=ddp"], "mesh.pp=2 with wrap=ddp: each pipeline stage is sharded"),
-    ([*SAME, "wrap=fsdp2", "mesh.pp_schedule=Interleaved1F1B", "mesh.pp_stages_per_rank=2"],
-     "mesh.pp_schedule=Interleaved1F1B runs several stages on each rank"),
+    ([*SAME, "wrap=none", "mesh.tp=2", "launcher.nproc_per_node=4"], "mesh.pp=2 with wrap=none: each pipeline stage"),
+    ([*SAME, "wrap=fsdp2", "mesh.pp_schedule=Interleaved1F1B"],
+     "pp_schedule=Interleaved1F1B runs several stages on each rank, and pp_stages_per_rank=1; give 2 or more"),
     ([*SAME, "wrap=fsdp2", "precision=fp16"], "mesh.pp=2: fp16's gradient scaler is not run across pipeline stages"),
     ([*SAME, "wrap=fsdp2", "trainer.accumulate_grad_batches=2"],
      "Set mesh.pp_microbatches instead, and trainer.accumulate_grad_batches=1"),
     ([*SAME, "wrap=fsdp2", "mesh.pp_microbatches=3"], "mesh.pp_microbatches=3: each pipeline's batch of 8"),
     ([*NO_SHAPE, "wrap=fsdp2"], "mesh.pp=2: MLP declares no pipeline_shape"),
-], ids=["ddp", "looped", "fp16", "accumulate", "microbatches", "no-shape"])
+], ids=["ddp", "tp-unwrapped", "looped", "fp16", "accumulate", "microbatches", "no-shape"])
 def test_what_a_pipeline_cannot_run_yet_is_refused_before_any_process_starts(tmp_path, overrides, said):
-    refused = run_cli(*overrides, "mesh.pp=2", "launcher.nproc_per_node=2", "tracking.enabled=false", cwd=tmp_path)
+    refused = run_cli("mesh.pp=2", "launcher.nproc_per_node=2", "tracking.enabled=false", *overrides, cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert said in refused.stderr and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert job_dirs(tmp_path) == []
