@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hydraddp.models import HYDRADDP_MODEL_KEYS
+from hydraddp.parallel.pipeline import PipelineShape
 
 HF_CONFIG = "config.json"
 HF_TARGET = "hydraddp.models.hf.causal_lm"
@@ -55,8 +56,43 @@ def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", co
     except ValueError as exc:
         raise ValueError(f"model.architecture={architecture!r}: {exc}") from None
     # fp32 master weights whatever dtype a pretrained config.json names: precision= decides what computes in what.
-    return transformers.AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation,
-                                                         dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation,
+                                                          dtype=torch.float32)
+    if _is_decoder(model):
+        model.pipeline_shape = DECODER_PIPELINE
+    return model
+
+
+def _is_decoder(model: nn.Module) -> bool:
+    """A decoder as Llama's (Qwen2, Mistral, ... too): ``model.embed_tokens``, ``model.layers``, ``model.norm`` and
+    ``model.rotary_emb``, then ``lm_head``, each layer called with the rotary embedding and the causal mask."""
+    inner = getattr(model, "model", None)
+    return all(isinstance(getattr(inner, name, None), nn.Module)
+               for name in ("embed_tokens", "layers", "norm", "rotary_emb")) and \
+        isinstance(getattr(model, "lm_head", None), nn.Module) and isinstance(inner.layers, nn.ModuleList)
+
+
+def decoder_stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A pipeline stage of a Llama-style decoder: the token ids (first stage) or hidden states in, through the
+    stage's layers, with the rotary embedding and the causal mask that the decoder's own forward makes; the logits
+    (last stage) or hidden states out. What ``LlamaModel.forward`` does, without the cache."""
+    from transformers.masking_utils import create_causal_mask
+
+    inner = stage.model
+    hidden = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                              position_ids=positions)
+    rotary = inner.rotary_emb(hidden, position_ids=positions)
+    for layer in inner.layers.values():
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+    return stage.lm_head(inner.norm(hidden)) if stage.lm_head is not None else hidden
+
+
+# Where pipeline parallel cuts such a decoder (hydraddp.parallel.pipeline): the state dict's own names, so that
+# pretrained weights and checkpoints load into the stages by name.
+DECODER_PIPELINE = PipelineShape(blocks="model.layers", first=("model.embed_tokens",),
+                                 last=("model.norm", "lm_head"), stage_forward=decoder_stage_forward)
 
 
 def pretrained_config(path: Any, **config: Any) -> Any:

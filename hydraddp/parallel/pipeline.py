@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,26 +46,50 @@ class NotPipelinable(ValueError):
 
 @dataclass(frozen=True)
 class PipelineShape:
-    """Where a model's stages are cut: its blocks (a ``ModuleDict`` keyed by index), the modules of its first stage
-    and those of its last, by attribute name."""
+    """Where a model's stages are cut: its blocks (a ``ModuleDict`` keyed by index, or a ``ModuleList``), the modules
+    of its first stage and those of its last, by (dotted) attribute path. ``stage_forward``, when the model's own
+    forward does not take hidden states where the first modules are gone: a function ``(stage, x)`` each stage runs
+    instead (a Hugging Face decoder's, ``hydraddp.models.hf``)."""
 
     blocks: str = "blocks"
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
+    stage_forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 def shape_of(model: nn.Module) -> PipelineShape:
     """The model's declared ``pipeline_shape``; ``NotPipelinable`` naming what is missing."""
-    shape = getattr(model, "pipeline_shape", None)
+    # its own, or its class's: not one a wrapper forwards from the model it wraps (peft's), whose paths are not its
+    shape = vars(model).get("pipeline_shape") or getattr(type(model), "pipeline_shape", None)
     name = type(model).__name__
     if not isinstance(shape, PipelineShape):
         raise NotPipelinable(f"{name} declares no pipeline_shape: pipeline parallel cuts a model whose forward is its "
                              "first modules, then a sequence of blocks, then its last modules, and needs to know them")
-    blocks = getattr(model, shape.blocks, None)
-    if not isinstance(blocks, nn.ModuleDict) or list(blocks) != [str(i) for i in range(len(blocks))]:
-        raise NotPipelinable(f"{name}.{shape.blocks} is not a ModuleDict of blocks keyed 0, 1, ...: a stage keeps "
-                             "some of them under their own names")
+    blocks = _at(model, shape.blocks)
+    if not (isinstance(blocks, nn.ModuleList) or
+            (isinstance(blocks, nn.ModuleDict) and list(blocks) == [str(i) for i in range(len(blocks))])):
+        raise NotPipelinable(f"{name}.{shape.blocks} is not a ModuleDict of blocks keyed 0, 1, ... (nor a "
+                             "ModuleList): a stage keeps some of them under their own names")
+    first = {id(p): path for path in shape.first for p in _at(model, path).parameters()}
+    shared = [(first[id(p)], path) for path in shape.last for p in _at(model, path).parameters() if id(p) in first]
+    if shared:
+        raise NotPipelinable(f"{name}'s {shared[0][0]} and {shared[0][1]} share their weights (tied), and sit on the "
+                             "first and the last stage; untie them (tie_word_embeddings=false)")
     return shape
+
+
+def block_sizes(model: nn.Module) -> list[int]:
+    """Each block's parameter count, in order (what ``cut`` balances)."""
+    return [sum(p.numel() for p in block.parameters()) for block in _at(model, shape_of(model).blocks).children()]
+
+
+def _at(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path)
+
+
+def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
 def cut(sizes: Sequence[int], stages: int, split: Sequence[int] | None = None) -> list[range]:
@@ -131,18 +156,33 @@ def stages_per_rank_of(schedule: str, stages_per_rank: int) -> int:
 
 
 def stage_module(model: nn.Module, shape: PipelineShape, blocks: range, first: bool, last: bool) -> nn.Module:
-    """A copy of ``model`` with only what its stage holds: ``blocks``, the first modules if ``first``, the last ones
-    if ``last``. Names are kept."""
+    """A copy of ``model`` with only what its stage holds: ``blocks`` (in a ``ModuleDict`` keyed by their index, so
+    that a ``ModuleList``'s names are kept too), the first modules if ``first``, the last ones if ``last``. Names are
+    kept."""
     stage = copy.deepcopy(model)
-    held = getattr(stage, shape.blocks)
-    for name in list(held):
-        if int(name) not in blocks:
-            del held[name]
-    for names, kept in ((shape.first, first), (shape.last, last)):
-        if not kept:
-            for name in names:
-                setattr(stage, name, None)
+    kept = nn.ModuleDict({name: block for name, block in _at(stage, shape.blocks).named_children()
+                          if int(name) in blocks})
+    _set(stage, shape.blocks, kept)
+    for paths, held in ((shape.first, first), (shape.last, last)):
+        if not held:
+            for path in paths:
+                _set(stage, path, None)
+    if shape.stage_forward is not None:
+        stage.forward = types.MethodType(shape.stage_forward, stage)
     return stage
+
+
+def _merged(modules: list[nn.Module]) -> nn.Module:
+    """One module holding what each of ``modules`` (copies of one model, less different parts) holds, under the same
+    names: a child that several hold is merged in turn when it has children (the blocks' dict, a container), and
+    taken from the first otherwise (a copy alike in each, e.g. a rotary embedding's buffers)."""
+    if len(modules) == 1 or not any(True for _ in modules[0].children()):
+        return modules[0]
+    merged = nn.ModuleDict() if isinstance(modules[0], nn.ModuleDict) else nn.Module()
+    for name in dict.fromkeys(name for module in modules for name, _ in module.named_children()):
+        holders = [module._modules[name] for module in modules if module._modules.get(name) is not None]
+        merged.add_module(name, _merged(holders))
+    return merged
 
 
 @dataclass
@@ -179,17 +219,7 @@ class Pipeline:
         V-shaped schedules) a module holding the modules of each of its stages, the blocks of all of them in one
         ``ModuleDict``. What the optimizer, the checkpoint and the report see: the same modules and parameters as the
         schedule runs, so a checkpoint holds each of them once, under its name in the whole model."""
-        if len(self.stages) == 1:
-            return self.stages[0]
-        held, blocks = nn.Module(), nn.ModuleDict()
-        for stage in self.stages:  # in stage order: the blocks in the model's order
-            for name, child in stage.named_children():
-                if name == self.shape.blocks:
-                    blocks.update(child.items())
-                else:
-                    held.add_module(name, child)
-        held.add_module(self.shape.blocks, blocks)
-        return held
+        return _merged(self.stages)  # in stage order: the blocks in the model's order
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One training step's forward and backward over the microbatches of ``inputs`` (the first stage's) against
@@ -218,8 +248,7 @@ def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
     per_rank = stages_per_rank_of(schedule, stages_per_rank)
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp * per_rank
-    blocks = getattr(model, shape.blocks)
-    runs = cut([sum(p.numel() for p in blocks[str(i)].parameters()) for i in range(len(blocks))], num_stages, split)
+    runs = cut(block_sizes(model), num_stages, split)
     indices = stage_ids(pp_rank, pp, schedule, per_rank)
     group = pp_mesh.get_group()
     modules, stages, computing = [], [], [0.0]

@@ -110,13 +110,12 @@ def model_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
 
 def _pipeline_problems(cfg: DictConfig, model: Any) -> list[Problem]:
     """The model has a pipeline shape, and its blocks cut into the stages asked for (``mesh.pp_split`` if given)."""
-    from hydraddp.parallel.pipeline import NotPipelinable, cut, shape_of, stages_per_rank_of
+    from hydraddp.parallel.pipeline import NotPipelinable, block_sizes, cut, stages_per_rank_of
 
     try:
-        blocks = getattr(model, shape_of(model).blocks)
         stages = cfg.mesh.pp * stages_per_rank_of(cfg.mesh.pp_schedule, cfg.mesh.pp_stages_per_rank)
         split = list(cfg.mesh.pp_split) if cfg.mesh.pp_split else None
-        cut([sum(p.numel() for p in blocks[str(i)].parameters()) for i in range(len(blocks))], stages, split)
+        cut(block_sizes(model), stages, split)
     except NotPipelinable as exc:
         return [Problem(("mesh.pp", "model"), f"mesh.pp={cfg.mesh.pp}: {exc}.",
                         "Use a model with a pipeline_shape (model=gpt), fewer stages, or mesh.pp=1.")]

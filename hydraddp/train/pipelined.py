@@ -9,7 +9,7 @@ count once (the loop's ``copies``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,8 @@ from torch import nn
 from hydraddp.parallel import pipeline
 from hydraddp.parallel.mesh import MeshShape, build as build_mesh
 from hydraddp.parallel.tp import held_tp_plan
+from hydraddp.train import step
+from hydraddp.train.tasks import IGNORE_INDEX
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 HEADER = 10  # a sent tensor's header: its dtype's index, its number of dimensions, and up to 8 sizes
@@ -81,28 +83,42 @@ def train_step(pipe: pipeline.Pipeline, batch: Any, optimizer: torch.optim.Optim
                grad_clip: float | None) -> torch.Tensor:
     """One optimizer step over this pipeline's ``batch`` (``(inputs, targets)``), its microbatches run by the
     schedule; the batch's mean loss, the same on every rank of the pipeline."""
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise TypeError(f"pipeline parallel trains on (inputs, targets) batches; got {type(batch).__name__}")
+    inputs, targets = inputs_and_targets(batch)
     optimizer.zero_grad()
-    loss = pipe.step(batch[0], batch[1])
+    loss = pipe.step(inputs, targets)
     if grad_clip:
         clip(pipe, grad_clip)
     optimizer.step()
     return loss
 
 
+def inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the first stage reads and what the last one's loss compares with: an ``(inputs, targets)`` batch as it
+    is; a token dict's ``input_ids``, and its labels shifted as a causal LM's loss shifts them (the logits at t
+    predict the label at t + 1; the last position predicts nothing), so that the task's loss of a tuple batch is the
+    dict's own."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise TypeError("pipeline parallel runs each stage on whole sequences: a token batch with padding "
+                            "(attention_mask 0) is not supported; pack the sequences instead")
+        labels = batch.get("labels", batch["input_ids"])
+        targets = torch.full_like(labels, IGNORE_INDEX)
+        targets[:, :-1] = labels[:, 1:]
+        return batch["input_ids"], targets
+    raise TypeError(f"pipeline parallel trains on (inputs, targets) batches or token dicts with input_ids; got "
+                    f"{type(batch).__name__}")
+
+
 def clip(pipe: pipeline.Pipeline, max_norm: float) -> None:
     """Clip every stage's gradients by the norm of all of them: each rank's norm over its stages (whole across
-    their shards), squared and added over the pipeline's ranks."""
-    from torch.distributed.tensor.experimental import implicit_replication
-
+    their shards and TP ranks), squared and added over the pipeline's ranks."""
     params = [p for p in pipe.parameters() if p.grad is not None]
-    norm = nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-    norm = getattr(norm, "full_tensor", lambda: norm)()
-    squared = norm.detach().float() ** 2
+    squared = step.grad_norm(params).detach().float() ** 2
     dist.all_reduce(squared, group=pipe.group)
-    with implicit_replication():  # the plain total against the stages' DTensors
-        nn.utils.clip_grads_with_norm_(params, max_norm, squared.sqrt())
+    step.clip_by(params, max_norm, squared.sqrt())
 
 
 class Forward(nn.Module):
@@ -115,7 +131,11 @@ class Forward(nn.Module):
         self.stages = nn.ModuleList(pipe.stages)  # for train() and eval(); the names are the stages' own elsewhere
         self._pipe = pipe
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                **_labels_and_mask: Any) -> torch.Tensor:
+        """The last stage's output (logits) for ``inputs``, or a token dict's ``input_ids`` (its labels are the
+        task's to compare with; ``inputs_and_targets`` refuses padding in training)."""
+        inputs = inputs if inputs is not None else input_ids
         pipe, me = self._pipe, dist.get_rank()
         held = dict(zip(pipe.stage_indices, pipe.stages))
         hidden = inputs if 0 in held else None

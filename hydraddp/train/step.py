@@ -19,23 +19,39 @@ def clip(model: nn.Module, max_norm: float) -> None:
     if isinstance(model, FullyShardedDataParallel):
         model.clip_grad_norm_(max_norm)  # FSDP1's flat shards need its own norm across ranks
         return
-    by_mesh: dict[Any, list[nn.Parameter]] = {}  # parameters by the mesh they live on (None: plain tensors)
-    for param in model.parameters():
-        if param.grad is not None:
-            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
-    if len(by_mesh) <= 1:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if len({getattr(p, "device_mesh", None) for p in params}) <= 1:
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DTensor-aware for FSDP2
         return
-    # Under tensor parallel, what TP split lives on the (dp, tp) mesh and the rest on dp alone, and torch's norm
-    # cannot mix meshes in one op: each mesh's norm is made whole, they add up as squares, and each mesh's gradients
-    # are scaled by the one total.
-    norms = [nn.utils.get_total_norm([p.grad for p in params]) for params in by_mesh.values()]
-    total = torch.stack([getattr(norm, "full_tensor", lambda n=norm: n)() for norm in norms]).norm()
+    clip_by(params, max_norm, grad_norm(params))
+
+
+def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The norm of ``params``' gradients, whole (a plain tensor). Under tensor parallel, what TP split lives on the
+    (dp, tp) mesh and the rest on dp alone, and torch's norm cannot mix meshes in one op: each mesh's norm is made
+    whole, and they add up as squares."""
+    norms = [nn.utils.get_total_norm([p.grad for p in group]) for group in _by_mesh(params)]
+    if not norms:
+        return torch.zeros(())
+    return torch.stack([getattr(norm, "full_tensor", lambda n=norm: n)() for norm in norms]).norm()
+
+
+def clip_by(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Scale ``params``' gradients so that their norm, ``total``, is at most ``max_norm`` (a mesh at a time, as one
+    op cannot mix them)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     with implicit_replication():  # the plain total against each mesh's DTensors
-        for params in by_mesh.values():
-            nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in _by_mesh(params):
+            nn.utils.clip_grads_with_norm_(group, max_norm, total)
+
+
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` by the mesh they live on (plain tensors together)."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return list(groups.values())
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, grad_clip: float | None,

@@ -35,7 +35,7 @@ print("$ python -m hydraddp hydra/launcher=slurm hydra.launcher.timeout_min=3 ..
 launch = subprocess.Popen(["python", "-m", "hydraddp", "hydra/launcher=slurm", "launcher.nnodes=2",
                            "launcher.nproc_per_node=1", "backend=gloo", "wrap=ddp", "trainer.max_steps=1000000",
                            "trainer.log_every=50", "trainer.eval_every=0", "plan.record=false",
-                           "data.dataset._target_=tests.train.user_data.slow_digits",
+                           "data.dataset._target_=tests.train.user_data.slow_digits", "+data.dataset.delay_s=0.05",
                            "tracking.model.enabled=false", "hydra.launcher.timeout_min=3",
                            "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=1",
                            "tracking.uri=http://mlflow:5000", f"tracking.experiment={EXPERIMENT}"],

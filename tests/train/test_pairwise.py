@@ -33,6 +33,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "uneven_eval": ("off", "on"),
     "stop_resume": ("off", "on"),
     "offload": ("none",),  # cpu: the refused rows below
+    "pp": ("1", "2"),  # mesh.pp: 2 pipeline stages on the 2 ranks, each stage under FSDP2
 }
 # Pairs no generated row holds. Those the combination rules refuse are theirs to say (``_allowed`` asks them):
 # a backend without the wrap (Horovod has only its own data parallelism, backend=none no group at all: both run
@@ -40,6 +41,12 @@ FACTORS: dict[str, tuple[str, ...]] = {
 # Face directory for model=hf_causal_lm) does not load into; TP with LoRA is refused whatever else the row holds, in a
 # row of its own (REFUSED).
 EXCLUDED = {(("frozen", "lora"), ("pretrained", "hf")), (("wrap", "tp"), ("frozen", "lora"))}
+# Pipeline stages on 2 ranks: each stage is sharded by FSDP2 (hsdp and tp need 4 ranks then), under gloo. The rules
+# that refuse a pipeline with the other wraps, with gradient accumulation (the microbatches are) and with a model
+# that declares no pipeline shape (peft's) each have a row of their own in REFUSED.
+EXCLUDED |= {(("pp", "2"), ("wrap", wrap)) for wrap in ("ddp", "fsdp", "hsdp", "tp", "auto")} | \
+    {(("pp", "2"), ("backend", backend)) for backend in ("horovod", "none")} | \
+    {(("pp", "2"), ("accumulate", "2")), (("pp", "2"), ("frozen", "lora"))}
 # Values that a README rule refuses whatever else the row holds, so that a row holding them would cover no other
 # pair: each meets the wraps it applies to in a row of its own, which must be refused with that rule's message.
 # Offload moves FSDP's parameters between an accelerator and the CPU (none here: the rows run on CPU ranks); a TP
@@ -50,7 +57,10 @@ REFUSED = [({"wrap": wrap, "offload": "cpu"}, "offload=cpu moves FSDP parameters
            for wrap in ("fsdp", "fsdp2", "hsdp", "tp")] + \
           [({"wrap": "tp", "frozen": "lora"}, "the TP plan's entry 'lm_head' matches no module of PeftModelForCausalLM"),
            ({"backend": "horovod", "compile": "on"}, "hydraddp does not compile under Horovod"),
-           ({"backend": "horovod", "precision": "bf16-true"}, "Horovod 0.28.1 has no bfloat16 collectives")]
+           ({"backend": "horovod", "precision": "bf16-true"}, "Horovod 0.28.1 has no bfloat16 collectives"),
+           ({"pp": "2", "wrap": "ddp"}, "mesh.pp=2 with wrap=ddp: each pipeline stage is sharded"),
+           ({"pp": "2", "wrap": "fsdp2", "accumulate": "2"}, "a pipeline accumulates over its microbatches already"),
+           ({"pp": "2", "wrap": "fsdp2", "frozen": "lora"}, "PeftModelForCausalLM declares no pipeline_shape")]
 
 BACKENDS = {"gloo": ["backend=gloo"], "horovod": ["backend=horovod"],
             "none": ["backend=none", "launcher.nproc_per_node=1"]}
@@ -124,7 +134,7 @@ def overrides_of(row: dict[str, str], pretrained_dir: Path) -> list[str]:
               f"trainer.compile={str(row['compile'] == 'on').lower()}",
               f"optim.no_decay_norm_and_bias={str(row['no_decay'] == 'on').lower()}",
               f"checkpoint.async_save={str(row['async_save'] == 'on').lower()}", f"offload={row['offload']}",
-              f"data.eval_batch_size={6 if row['uneven_eval'] == 'on' else 8}"]
+              f"data.eval_batch_size={6 if row['uneven_eval'] == 'on' else 8}", f"mesh.pp={row['pp']}"]
     # The user's LoRA model replaces the model group, as README's "your own model" does it.
     chosen.insert(0, "model._target_=tests.helpers.lora.tiny_lora_llama" if row["frozen"] == "lora" else "model=hf_causal_lm")
     if row["pretrained"] == "hf":
