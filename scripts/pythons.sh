@@ -140,10 +140,11 @@ prepare() {  # sets root
 
 mkdir -p "$CACHE"
 exec 9> "$CACHE/pythons.lock"
-flock 9  # one preparation at a time on this machine: every clone shares the roots
 status=0
 for name in "${targets[@]}"; do
+  flock 9  # one preparation at a time on this machine: every clone shares the roots; the tests run beside others
   prepare "$name"
+  flock -u 9
   [ "$only_prepare" = 0 ] || continue
   version=$(in_root "$root" python3 -c 'import platform; print(platform.python_version())')
   say "$name: Python $version"

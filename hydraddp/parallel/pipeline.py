@@ -196,7 +196,6 @@ class Pipeline:
     group: Any  # the pipeline's process group (the ranks of one data-parallel slice, one per stage place)
     holders: dict[int, int]  # each stage's rank (global)
     computing: list[float]  # seconds this rank's stages have computed, so far (``_timed``)
-    shape: PipelineShape = PipelineShape()
     bubble: float | None = None  # the last step's bubble on this rank: the share of it not computing
 
     @property
@@ -263,7 +262,7 @@ def build(model: nn.Module, pp_mesh: Any, schedule: str, microbatches: int,
         runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     holders = {stage: dist.get_global_rank(group, rank) for rank in range(pp)
                for stage in stage_ids(rank, pp, schedule, per_rank)}
-    return Pipeline(modules, indices, num_stages, runner, group, holders, computing, shape)
+    return Pipeline(modules, indices, num_stages, runner, group, holders, computing)
 
 
 COMPUTING = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")  # a stage's own work

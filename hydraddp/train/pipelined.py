@@ -81,8 +81,9 @@ def held(pipe: pipeline.Pipeline) -> nn.Module:
 
 def train_step(pipe: pipeline.Pipeline, batch: Any, optimizer: torch.optim.Optimizer,
                grad_clip: float | None) -> torch.Tensor:
-    """One optimizer step over this pipeline's ``batch`` (``(inputs, targets)``), its microbatches run by the
-    schedule; the batch's mean loss, the same on every rank of the pipeline."""
+    """One optimizer step over this pipeline's ``batch`` (``(inputs, targets)``, or a token dict:
+    ``inputs_and_targets``), its microbatches run by the schedule; the batch's mean loss, the same on every rank of
+    the pipeline."""
     inputs, targets = inputs_and_targets(batch)
     optimizer.zero_grad()
     loss = pipe.step(inputs, targets)
