@@ -65,8 +65,6 @@ def build_path(cfg: DictConfig, model: nn.Module | None = None) -> str:
     init_device = cfg.model.get("init_device", "auto")
     if init_device == "cpu" or (init_device == "auto" and cfg.wrap.name not in SHARDING_WRAPS):
         return "whole"
-    if pipeline_stages(cfg) > 1:  # the stages are cut from the whole model (a stage built on meta: not yet)
-        return "whole"
     if model is not None and init_device == "auto" and meta_init.shared_tensors(model):
         return "whole"
     return "meta"

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from hydraddp.parallel.mesh import MeshShape
 from hydraddp.plan import cuda
@@ -196,10 +197,11 @@ def _simulate(cfg: DictConfig, world_size: int, rank: int, on_cuda: bool = False
     the optimizer state (as in the run), the second is measured. ``on_cuda``: as CUDA runs it (``plan.cuda``: the
     optimizer's kernels, the attention kernel's temporaries, the caching allocator's rounding)."""
     import hydraddp.distributed as idist
-    from hydraddp.build import build_path, instantiate_model, wrap_model
+    from hydraddp.build import build_path, instantiate_model, pipeline_stages, wrap_model
     from hydraddp.config.instantiate import instantiate
     from hydraddp.distributed.simulated import simulated_world
     from hydraddp.parallel.machine import nproc_per_node_of
+    from hydraddp.plan.stage import pipelined_step
     from hydraddp.train import tasks
     from hydraddp.train.metrics import TensorPeak
     from hydraddp.train.optim import parameter_groups
@@ -214,14 +216,22 @@ def _simulate(cfg: DictConfig, world_size: int, rank: int, on_cuda: bool = False
         whole_bytes = sum(_nbytes(t) for t in (*bare.parameters(), *bare.buffers()))
         largest_module = max((sum(_nbytes(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
                               for m in bare.modules()), default=0)
-        model, _ = wrap_model(cfg, bare)
-        optimizer = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(
-            parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
-        if on_cuda:
-            cuda.foreach_as_on_cuda(optimizer)
-        task, scaler, trainer = _SampleWeighted(instantiate(cfg.task, "task")), idist.grad_scaler(model), cfg.trainer
-        step = lambda: train_step(model, task, batch, optimizer, scaler, trainer.grad_clip, False,  # noqa: E731
-                                  trainer.accumulate_grad_batches)
+        def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+            made = idist.auto_optim(instantiate(cfg.optim.optimizer, "optim.optimizer")(
+                parameter_groups(model, cfg.optim.no_decay_norm_and_bias)))
+            if on_cuda:
+                cuda.foreach_as_on_cuda(made)
+            return made
+
+        task, trainer = _SampleWeighted(instantiate(cfg.task, "task")), cfg.trainer
+        if pipeline_stages(cfg) > 1:  # this rank's stage, its schedule's microbatches in flight (plan.stage)
+            model, optimizer, step = pipelined_step(cfg, bare, task, batch, world_size, make_optimizer)
+            numel_by_name = {name: p.numel() for name, p in model.named_parameters()}  # the stage's, whole
+        else:
+            model, _ = wrap_model(cfg, bare)
+            optimizer, scaler = make_optimizer(model), idist.grad_scaler(model)
+            step = lambda: train_step(model, task, batch, optimizer, scaler, trainer.grad_clip, False,  # noqa: E731
+                                      trainer.accumulate_grad_batches)
         step()  # the first step makes the optimizer state, as in the run
         report = idist.wrap_report(model, optimizer)
         kernels = cuda.KernelWorkspaces() if on_cuda else contextlib.nullcontext()

@@ -221,9 +221,6 @@ def _pipeline_limits(settings: Settings, shape: MeshShape) -> list[Problem]:
         (config.trainer.accumulate_grad_batches > 1, ("mesh.pp", "trainer.accumulate_grad_batches"),
          "a pipeline accumulates over its microbatches already", "Set mesh.pp_microbatches instead, and "
          "trainer.accumulate_grad_batches=1."),
-        (dict(config.model or {}).get("init_device") == "meta",
-         ("mesh.pp", "model.init_device"), "the stages are cut from the model built whole (stages built on meta: "
-         "not yet)", "Set model.init_device=auto or cpu."),
     ]
     return [Problem(keys, f"mesh.pp={shape.pp}: {why}.", fix) for refused, keys, why, fix in limits if refused]
 

@@ -302,8 +302,7 @@ def _run_steps(loop: _Loop, stop: preemption.Preemption) -> Any:
     for step in range(loop.start_step + 1, last_step + 1):
         batch = tasks.to_device(next(loop.batches), device)
         # The second step, as the plan counts it: optimizer state made, nothing allocated for the first time.
-        # (Not under pipeline parallel: the plan does not cut the model into stages.)
-        measuring = cfg.plan.measure and step == loop.start_step + 2 and parts.pipe is None
+        measuring = cfg.plan.measure and step == loop.start_step + 2
         with TensorPeak(model, parts.optimizer, device) if measuring else contextlib.nullcontext() as peak:
             if parts.pipe is not None:
                 loss = pipelined.train_step(parts.pipe, batch, parts.optimizer, trainer.grad_clip)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from hydraddp.parallel import pipeline
+from hydraddp.parallel import pipeline, simulation
 from hydraddp.parallel.mesh import MeshShape, build as build_mesh
 from hydraddp.parallel.tp import held_tp_plan
 from hydraddp.train import step
@@ -28,7 +28,8 @@ HEADER = 10  # a sent tensor's header: its dtype's index, its number of dimensio
 
 
 def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, world_size: int) -> pipeline.Pipeline:
-    """``model`` (built whole, alike on every rank) cut for this rank, each stage made parallel by ``auto_model``
+    """``model`` (built alike on every rank: whole, or on the meta device, each stage then filled after sharding by
+    the replay it carries) cut for this rank, each stage made parallel by ``auto_model``
     with the config's wrap, precision and blocks: sharded over the stage's data-parallel ranks (HSDP with
     ``mesh.dp_replicate``), split over its TP ranks by the entries of the TP plan that name its modules; its report
     names the whole mesh and this rank's place in it."""
@@ -38,7 +39,8 @@ def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, wo
     from hydraddp.build import wrap_kwargs
 
     shape = MeshShape.of(cfg.mesh).resolved(world_size)
-    mesh = build_mesh(shape, device.type)
+    planned = simulation.active()  # the plan's mesh, made before its fake tensors (which cannot make one)
+    mesh = planned.mesh if planned else build_mesh(shape, device.type)
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
         # FSDP2 over the stage's data-parallel ranks, and TP over its TP ranks: the mesh's own dimensions by name
@@ -51,15 +53,23 @@ def build(cfg: DictConfig, model: nn.Module, task: Any, device: torch.device, wo
         stage._hydraddp_wrap = dataclasses.replace(stage._hydraddp_wrap, mesh=shape.describe())
         return stage
 
-    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return task.loss(lambda _inputs: output, (None, targets))  # the last stage's output, as the model's
+    return pipeline.build(model, mesh["pp"], cfg.mesh.pp_schedule, microbatches_of(cfg, shape.pp), stage_loss(task),
+                          device, parallelize_stage, stages_per_rank=cfg.mesh.pp_stages_per_rank, split=split_of(cfg))
 
-    split: Sequence[int] | None = list(cfg.mesh.pp_split) if cfg.mesh.pp_split else None
-    # null: one per stage, as the preflight checked
-    microbatches = cfg.mesh.pp_microbatches or shape.pp * pipeline.stages_per_rank_of(cfg.mesh.pp_schedule,
-                                                                                     cfg.mesh.pp_stages_per_rank)
-    return pipeline.build(model, mesh["pp"], cfg.mesh.pp_schedule, microbatches, loss_fn, device, parallelize_stage,
-                          stages_per_rank=cfg.mesh.pp_stages_per_rank, split=split)
+
+def stage_loss(task: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The last stage's loss of a microbatch: the task's, of the stage's output as the model's."""
+    return lambda output, targets: task.loss(lambda _inputs: output, (None, targets))
+
+
+def microbatches_of(cfg: DictConfig, pp: int) -> int:
+    """``mesh.pp_microbatches``; null: one per stage, as the preflight checked."""
+    return cfg.mesh.pp_microbatches or pp * pipeline.stages_per_rank_of(cfg.mesh.pp_schedule,
+                                                                       cfg.mesh.pp_stages_per_rank)
+
+
+def split_of(cfg: DictConfig) -> Sequence[int] | None:
+    return list(cfg.mesh.pp_split) if cfg.mesh.pp_split else None
 
 
 def held(pipe: pipeline.Pipeline) -> nn.Module:

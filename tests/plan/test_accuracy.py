@@ -62,3 +62,20 @@ def test_eight_of_nine_combinations_hold_to_ten_percent_as_the_readme_says(runs,
     within = {name: held(plans[name], runs[0][name]["tensor_peaks"][0]["peak_bytes"]) for name in CASES}
     assert sum(within.values()) >= 8, within
     assert all("fsdp-" in name and plans[name].unsure for name, ok in within.items() if not ok), within
+
+
+# Pipeline stages (issue 56): 4 microbatches on 2 stages under 1F1B, so that the first stage holds 2 microbatches'
+# activations at once and the last 1; each rank's plan is its own stage's.
+PIPELINED = [*GPT, "wrap=fsdp2", "precision=fp32", "mesh.pp=2", "mesh.pp_microbatches=4"]
+
+
+def test_the_plan_of_each_pipeline_stage_holds_its_ranks_bytes_exactly_and_its_peak_to_ten_percent(pools):
+    [measured] = pools.run("tests.plan.workers:measured", {"pp": [*STEPS, *PIPELINED]}, timeout=600)[0].values()
+    planned = [estimate(compose([*STEPS, *PIPELINED]), world_size=2, rank=rank) for rank in (0, 1)]
+    for rank, plan in enumerate(planned):
+        report, peak = measured["reports"][rank], measured["tensor_peaks"][rank]
+        assert plan.units == [u for u in plan.units if u.name in report["units"]] and plan.units, (rank, report)
+        assert (plan.param_bytes, plan.grad_bytes, plan.optim_state_bytes) == (
+            report["param_bytes"], report["grad_bytes"], report["optim_state_bytes"]), rank
+        assert held(plan, peak["peak_bytes"]), (rank, plan.peak_bytes, peak["peak_bytes"], peak["parts"])
+    assert planned[0].activation_bytes > planned[1].activation_bytes  # 2 microbatches in flight against 1

@@ -66,6 +66,14 @@ def _wait_for(condition, what: str, nodes: list[Node], timeout: float = 240) -> 
         time.sleep(0.2)
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket of this machine listens on ``port`` (``/proc/net/tcp``: state 0A), without connecting to it."""
+    hexed = f":{port:04X} "
+    return any(line.split()[3] == "0A" and hexed in line.split()[1] + " "
+               for table in ("/proc/net/tcp", "/proc/net/tcp6") if Path(table).exists()
+               for line in Path(table).read_text().splitlines()[1:])
+
+
 def _logged_step(root: Path) -> int:
     """The latest step rank 0 logged, in the job's rank-0 log."""
     steps = [int(s) for log in root.glob("outputs/*/*/logs/rank0.log") for s in re.findall(r"step (\d+) loss",
@@ -130,7 +138,10 @@ def test_a_lost_node_costs_a_restart_and_the_job_finishes_in_the_same_run(job, f
     overrides = [f"hydra.run.dir={root / 'outputs' / 'runs' / 'elastic'}"] if fixed else []
     addresses = ("localhost", "127.0.0.1") if fixed else (None, None)
     first = Node(root, endpoint, token, "node0", *overrides, local_addr=addresses[0])
-    time.sleep(1)  # node 0's agent hosts the rendezvous store, which must outlive the lost node
+    # Node 0's agent hosts the rendezvous store, which must outlive the lost node. Both agents are on this machine,
+    # and the first to bind the endpoint hosts it: a fixed second's wait let the other agent win under CI's load,
+    # and losing it took the survivor's store with it ("Failed to recv ... Did the remote server shutdown").
+    _wait_for(lambda: _listening(int(endpoint.rsplit(":", 1)[1])), "node 0's agent to host the rendezvous", [first])
     second = Node(root, endpoint, token, "node1", *overrides, local_addr=addresses[1])
     nodes = [first, second]
     _wait_for(lambda: _logged_step(root) >= 2 * EVERY + 5, "step 25 at world size 2", nodes)

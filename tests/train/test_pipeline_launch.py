@@ -73,6 +73,8 @@ def test_a_pipelined_launch_trains_as_one_process_with_every_default_on(tmp_path
     if coordinates is not None:
         assert [report["mesh_coordinate"] for report in result["reports"]] == coordinates
         assert [report["units"] for report in result["reports"]] == units
+    # Under FSDP2 the model was built on meta and each rank filled its own stages only; unwrapped, built whole.
+    assert {report["init_device"] for report in result["reports"]} == {"meta" if "wrap=fsdp2" in mesh else "cpu"}
     # Every rank's report names the whole mesh, and its stage's blocks are its units (FSDP2's, each sharded).
     degrees = dict(o.removeprefix("mesh.").split("=") for o in mesh if o.startswith("mesh.") and "pp_" not in o)
     described = ",".join(f"{d}={degrees.get(d, 1)}" for d in ("pp", "dp_replicate", "dp_shard", "tp"))
