@@ -84,7 +84,7 @@ def decoder_stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
     mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                               position_ids=positions)
     rotary = inner.rotary_emb(hidden, position_ids=positions)
-    for layer in inner.layers.values():
+    for layer in inner.layers.children():  # this stage's (the others are None)
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
     return stage.lm_head(inner.norm(hidden)) if stage.lm_head is not None else hidden
 

@@ -156,13 +156,16 @@ def stages_per_rank_of(schedule: str, stages_per_rank: int) -> int:
 
 
 def stage_module(model: nn.Module, shape: PipelineShape, blocks: range, first: bool, last: bool) -> nn.Module:
-    """A copy of ``model`` with only what its stage holds: ``blocks`` (in a ``ModuleDict`` keyed by their index, so
-    that a ``ModuleList``'s names are kept too), the first modules if ``first``, the last ones if ``last``. Names are
-    kept."""
+    """A copy of ``model`` with only what its stage holds: ``blocks`` (a ``ModuleList``'s others set to None, a
+    ``ModuleDict``'s deleted: the container stays the model's own, as a meta build's replay knows it), the first
+    modules if ``first``, the last ones if ``last``. Names are kept; a stage's forward runs its blocks' ``children()``."""
     stage = copy.deepcopy(model)
-    kept = nn.ModuleDict({name: block for name, block in _at(stage, shape.blocks).named_children()
-                          if int(name) in blocks})
-    _set(stage, shape.blocks, kept)
+    container = _at(stage, shape.blocks)
+    for name in [name for name, _ in container.named_children() if int(name) not in blocks]:
+        if isinstance(container, nn.ModuleDict):
+            del container[name]
+        else:
+            setattr(container, name, None)
     for paths, held in ((shape.first, first), (shape.last, last)):
         if not held:
             for path in paths:
@@ -178,7 +181,7 @@ def _merged(modules: list[nn.Module]) -> nn.Module:
     taken from the first otherwise (a copy alike in each, e.g. a rotary embedding's buffers)."""
     if len(modules) == 1 or not any(True for _ in modules[0].children()):
         return modules[0]
-    merged = nn.ModuleDict() if isinstance(modules[0], nn.ModuleDict) else nn.Module()
+    merged = nn.ModuleDict() if isinstance(modules[0], nn.ModuleDict) else nn.Module()  # a list's: "0", "1", ...
     for name in dict.fromkeys(name for module in modules for name, _ in module.named_children()):
         holders = [module._modules[name] for module in modules if module._modules.get(name) is not None]
         merged.add_module(name, _merged(holders))
