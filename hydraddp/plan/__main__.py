@@ -197,15 +197,32 @@ def mesh_shapes(world_size: int, nproc_per_node: int, nnodes: int) -> list[tuple
             for replicate in (1, replicas) if world_size % (replicate * tp) == 0 and replicate * tp <= world_size]
 
 
+def pipeline_degrees(cfg, world_size: int) -> list[int]:
+    """The pipeline degrees worth comparing: 2, 4, ... that divide the world size and that the model's blocks fill;
+    none for a model that declares no pipeline shape."""
+    from hydraddp.models.of_config import model_of
+    from hydraddp.parallel.pipeline import NotPipelinable, block_sizes
+
+    try:
+        blocks = len(block_sizes(model_of(cfg.model)))
+    except NotPipelinable:
+        return []
+    return [pp for pp in (2, 4, 8) if world_size % pp == 0 and pp <= min(world_size, blocks)]
+
+
 def every_mesh(overrides: list[str], est: Estimate, cfg) -> list[Row]:
-    """fsdp2 on each mesh of ``mesh_shapes`` (the config's own mesh as planned), at the config's other settings."""
-    rows = []
-    for replicate, tp in mesh_shapes(est.world_size, min(cfg.launcher.nproc_per_node, est.world_size),
-                                     cfg.launcher.nnodes):
-        label = f"{replicate}x{est.world_size // (replicate * tp)}x{tp}"
-        shape = [f"mesh.dp_replicate={replicate}", "mesh.dp_shard=-1", f"mesh.tp={tp}"]
-        rows.append((label, est, None) if label == est.mesh else _row(label, [*without_mesh(overrides), *shape]))
-    return rows
+    """fsdp2 on each mesh of ``mesh_shapes``, and each stage of a pipeline of ``pipeline_degrees`` (pp x dp_shard:
+    the plan of rank 0, the first stage), at the config's other settings (the config's own mesh as planned)."""
+    from hydraddp.parallel.mesh import MeshShape
+
+    meshes = [(f"{replicate}x{est.world_size // (replicate * tp)}x{tp}",
+               [f"mesh.dp_replicate={replicate}", "mesh.dp_shard=-1", f"mesh.tp={tp}"])
+              for replicate, tp in mesh_shapes(est.world_size, min(cfg.launcher.nproc_per_node, est.world_size),
+                                               cfg.launcher.nnodes)]
+    meshes += [(MeshShape(1, -1, 1, pp).resolved(est.world_size).label(), [f"mesh.pp={pp}", "mesh.dp_shard=-1"])
+               for pp in pipeline_degrees(cfg, est.world_size)]
+    return [(label, est, None) if label == est.mesh else _row(label, [*without_mesh(overrides), *shape])
+            for label, shape in meshes]
 
 
 def budget(overrides: list[str], budget_gb: float, out: dict) -> int:
@@ -262,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     out = {"plan": est.to_dict(), "wraps": {w: e.to_dict() for w, e, _ in rows if e is not None}}
     several_meshes = est.wrap == "fsdp2" and est.world_size > 1
     if several_meshes and not MeshShape.of(cfg.mesh).multi_dimensional:
-        print("\nother meshes: add mesh.tp=2 (tensor parallel) or mesh.dp_replicate=2 (HSDP) to compare every mesh")
+        print("\nother meshes: add mesh.tp=2 (tensor parallel), mesh.dp_replicate=2 (HSDP) or mesh.pp=2 (pipeline "
+              "stages) to compare every mesh")
     elif several_meshes:
         meshes = every_mesh(args.overrides, est, cfg)
-        print(render_table(meshes, est.mesh, "every mesh under fsdp2 (dp_replicate x dp_shard x tp), per rank",
-                           "mesh"))
+        print(render_table(meshes, est.mesh, "every mesh under fsdp2 (dp_replicate x dp_shard x tp; pp x dp_replicate "
+                           "x dp_shard x tp with pipeline stages: rank 0's, the first stage), per rank", "mesh"))
         out["meshes"] = {m: e.to_dict() for m, e, _ in meshes if e is not None}
     budget_gb = OmegaConf.select(cfg, "plan.budget_gb")
     code = budget(args.overrides, budget_gb, out) if budget_gb else 0

@@ -107,12 +107,15 @@ def test_a_1b_parameter_gpt_is_planned_with_no_memory_of_its_size(tmp_path):
 
 def test_a_mesh_config_is_planned_on_every_mesh_of_its_world(tmp_path):
     """mesh.tp=2 at 2 ranks: the config's own plan on its 2-D (dp_shard, tp) mesh, and one row per mesh of the world
-    (1-D fsdp2, HSDP, TP), each planned in its own simulated world."""
+    (1-D fsdp2, HSDP, TP, two pipeline stages), each planned in its own simulated world."""
     launched, planned = plan(*GPT, "wrap=fsdp2", "mesh.tp=2", tmp_path=tmp_path)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    assert "every mesh under fsdp2 (dp_replicate x dp_shard x tp), per rank" in launched.stdout
+    assert "every mesh under fsdp2 (dp_replicate x dp_shard x tp; pp x dp_replicate x dp_shard x tp" in launched.stdout
     meshes = planned["meshes"]
-    assert set(meshes) == {"1x2x1", "2x1x1", "1x1x2"} and planned["plan"]["mesh"] == "1x1x2"
+    # The GPT's blocks fill two pipeline stages: pp=2 is a mesh of this world too (2x1x1x1: pp x dp_replicate x
+    # dp_shard x tp), each rank holding half the blocks.
+    assert set(meshes) == {"1x2x1", "2x1x1", "1x1x2", "2x1x1x1"} and planned["plan"]["mesh"] == "1x1x2"
+    assert meshes["2x1x1x1"]["param_bytes"] <= meshes["2x1x1"]["param_bytes"] * 0.6
     assert "1x1x2" in next(line for line in launched.stdout.splitlines() if "<- this config" in line and "x" in line)
     # Split two ways (by FSDP's shards or by TP's; TP keeps its norms whole) against replicated whole: about half the
     # parameters per rank.
