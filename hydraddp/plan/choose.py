@@ -30,6 +30,10 @@ CANDIDATES = (
               "sharded, and each block's activations recomputed in backward instead of kept"),
     Candidate("fsdp + activation checkpointing", ("wrap=fsdp", "trainer.activation_checkpointing=true"),
               "FSDP1's flat shards, and each block's activations recomputed in backward"),
+    # Slowest: at its default of a microbatch per stage, 1F1B's bubble leaves each of 2 stages idle a third of a step
+    # ((p - 1) / (m + p - 1)), more than recomputing the activations costs (about a third more compute).
+    Candidate("fsdp2 over 2 pipeline stages", ("wrap=fsdp2", "mesh.pp=2"),
+              "the model cut in 2 stages (a rank holds half its blocks), each sharded over its data-parallel ranks"),
 )
 
 
