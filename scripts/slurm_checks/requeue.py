@@ -109,7 +109,11 @@ def final_params(job: str) -> dict:
 expected, got = final_params("plain"), final_params(str(job_dir.relative_to(HOME / CHECK)))
 difference = max((expected[k] - got[k]).abs().max().item() for k in expected)
 if difference > 1e-6:
-    fail(CHECK, f"the requeued run's final parameters differ from the uninterrupted run's by {difference:g}")
+    # Every step each run logged, for the next reader of a failure: the cluster's volume goes with the test.
+    steps = lambda text: re.findall(r"(step \d+ loss \S+|resumed from \S+ at step \d+)", text)  # noqa: E731
+    fail(CHECK, f"the requeued run's final parameters differ from the uninterrupted run's by {difference:g}; "
+                f"requeued: {steps(rank0_log())}; uninterrupted: "
+                f"{steps((HOME / CHECK / 'plain' / 'logs' / 'rank0.log').read_text())}")
 print(f"slurm check {CHECK}: job {job} requeued by scontrol at step {preemptions[0]['step']} and by USR2 at step "
       f"{preemptions[1]['step']}, resumed twice under the same job id into run {record['info']['run_id']} "
       f"(FINISHED, hydraddp.requeued 2); final parameters within {difference:g} of the uninterrupted run's")
