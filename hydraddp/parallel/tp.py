@@ -43,8 +43,7 @@ def resolve_tp_plan(model: nn.Module, given: Mapping[str, Any] | None = None) ->
     """``{module pattern: ParallelStyle}`` for ``parallelize_module``: ``given`` (``wrap.tp_plan``), else the model's
     own; style names (``colwise``...) made torch's styles. A ``ConfigurationError`` when there is none, or a name is
     not a style."""
-    # str: a config's {0: colwise} (an nn.Sequential's child) comes with an int key
-    plan = {str(key): style for key, style in given.items()} if given else declared_tp_plan(model)
+    plan = _plan_of(model, given)
     if not plan:
         raise ConfigurationError(Problem(
             ("mesh.tp", "wrap.tp_plan"),
@@ -65,10 +64,16 @@ def resolve_tp_plan(model: nn.Module, given: Mapping[str, Any] | None = None) ->
     return resolved
 
 
+def _plan_of(model: nn.Module, given: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``given`` (``wrap.tp_plan``), else the model's own plan."""
+    # str: a config's {0: colwise} (an nn.Sequential's child) comes with an int key
+    return {str(key): style for key, style in given.items()} if given else declared_tp_plan(model)
+
+
 def held_tp_plan(model: nn.Module, given: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The entries of ``given`` (else the model's own plan) that name a module ``model`` holds: a pipeline stage, a
     copy of the model less the blocks, embeddings or head that other stages hold, splits what it has."""
-    plan = {str(key): style for key, style in given.items()} if given else declared_tp_plan(model)
+    plan = _plan_of(model, given)
     if not plan:
         return None
     names = [name for name, _ in model.named_modules()]

@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from hydraddp.parallel import pipeline
-from hydraddp.parallel.mesh import MeshShape
 
 PLANNED_SCHEDULES = pipeline.SINGLE_STAGE  # one stage per rank; the looped and V-shaped ones interleave theirs
 
@@ -45,12 +44,11 @@ def pipelined_step(cfg: DictConfig, bare: nn.Module, task: Any, batch: Any, worl
     if schedule not in PLANNED_SCHEDULES:
         raise ValueError(f"mesh.pp_schedule={schedule}: the plan simulates {' and '.join(PLANNED_SCHEDULES)} (one "
                          "stage per rank)")
-    shape = MeshShape.of(cfg.mesh).resolved(world_size)
     pipe = pipelined.build(cfg, bare, task, torch.device("cpu"), world_size)
     [stage], [index] = pipe.stages, pipe.stage_indices
     model = pipelined.held(pipe)
     optimizer = make_optimizer(model)
-    microbatches = pipelined.microbatches_of(cfg, shape.pp)
+    microbatches = pipelined.microbatches_of(cfg, cfg.mesh.pp)
     inputs, targets = (part.tensor_split(microbatches) for part in pipelined.inputs_and_targets(batch))
     received = _received(cfg, bare, inputs, index, pipe.num_stages) if index > 0 else list(inputs)
     steps, loss = order(schedule, index, pipe.num_stages, microbatches), pipelined.stage_loss(task)
